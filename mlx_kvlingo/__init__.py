@@ -1,0 +1,25 @@
+"""mlx-kvlingo: translate one model's KV cache into another's, so a conversation
+can switch models without re-prefilling its context."""
+
+# Must come before anything imports mlx.core (see blas.py).
+from . import blas as _blas
+
+_blas.preload_openblas()
+
+from .errors import KvlingoError, TranslatorMismatch  # noqa: E402
+from .models import cache_geometry, load  # noqa: E402
+from .translator import Translator, load_translator  # noqa: E402
+from .switch import switch, translate_context  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KvlingoError",
+    "TranslatorMismatch",
+    "Translator",
+    "cache_geometry",
+    "load",
+    "load_translator",
+    "switch",
+    "translate_context",
+]

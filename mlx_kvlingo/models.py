@@ -1,0 +1,394 @@
+"""Model adapters over mlx-lm: loading, cache geometry, rope in/out, cache read/write.
+
+Everything here speaks mlx-lm's own types: an ``nn.Module`` language model and the
+list of cache objects ``make_prompt_cache`` returns. Keys in an mlx-lm cache are
+stored *after* the layer's k-norm and RoPE; a translator works on keys *without*
+rotary position ("content space"), so this module un-rotates keys read from a
+source cache and re-rotates mapped keys with the target layer's own rope module.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from .errors import KvlingoError, UnsupportedModel
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
+    """Load an mlx-lm model and tokenizer from a local directory or a hub repo id.
+
+    ``dtype``: cast floating-point weights to this type. By default models are cast
+    to float32 and dequantized when MLX runs on the CPU, where half-precision and
+    quantized matmuls are an order of magnitude slower than fp32 BLAS.
+    """
+    from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load as mlx_lm_load
+
+    on_cpu = mx.default_device() == mx.cpu
+    if dtype is None and on_cpu:
+        dtype = mx.float32
+    try:
+        model, tokenizer = mlx_lm_load(str(path_or_repo))
+    except Exception as e:  # mlx-lm raises several types for "not found"
+        raise KvlingoError(_load_error_message(path_or_repo, e)) from e
+    if on_cpu and _is_quantized(model):
+        model = dequantize_model(model)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    model.eval()
+    model.name_or_path = str(path_or_repo)
+    check_supported(model)
+    return model, tokenizer
+
+
+def _load_error_message(path_or_repo, error):
+    p = Path(str(path_or_repo))
+    if p.exists():
+        return f"Could not load a model from {p}: {error}"
+    return (
+        f"Could not load model {path_or_repo!r}: it is not a local directory and the "
+        f"hub could not provide it ({type(error).__name__}: {error}). Offline "
+        "(HF_HUB_OFFLINE=1) only models already in the hub cache can be loaded."
+    )
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        for _, m in model.named_modules()
+    )
+
+
+def model_name(model: nn.Module) -> str:
+    """The path or repo id a model was loaded from, or its type for built models."""
+    return getattr(model, "name_or_path", None) or getattr(model, "model_type", "model")
+
+
+# ---------------------------------------------------------------------------
+# Geometry
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    n_kv_heads: int
+    head_dim: int
+    window: Optional[int]  # sliding window (RotatingKVCache max_size), None = full
+    rope: dict  # a description of the layer's rope module, for fingerprints
+
+    @property
+    def width(self) -> int:
+        """Features per token in this layer's K (or V): heads x head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    model_type: str
+    dtype: str
+    layers: Tuple[LayerGeometry, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheGeometry":
+        layers = tuple(LayerGeometry(**layer) for layer in d["layers"])
+        return cls(model_type=d["model_type"], dtype=d["dtype"], layers=layers)
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that decides what a translator must produce.
+
+        dtype is left out: a translator works for the same model in any precision.
+        """
+        d = self.to_dict()
+        d.pop("dtype")
+        blob = json.dumps(d, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_supported(model: nn.Module):
+    """Refuse models whose cache is not one plain/rotating KV cache per layer."""
+    if not hasattr(model, "layers"):
+        raise UnsupportedModel(f"{model_name(model)}: the model has no `layers`.")
+    for i, c in enumerate(make_prompt_cache(model)):
+        if type(c) not in (KVCache, RotatingKVCache):
+            raise UnsupportedModel(
+                f"{model_name(model)}: layer {i} uses a {type(c).__name__}, which holds "
+                "no per-token keys and values (SSM / hybrid / linear-attention layers). "
+                "mlx-kvlingo can only translate attention KV caches."
+            )
+        if isinstance(c, RotatingKVCache) and c.keep:
+            raise UnsupportedModel(
+                f"{model_name(model)}: layer {i} keeps {c.keep} tokens in a rotating "
+                "cache; only plain sliding windows are supported."
+            )
+    for i, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "rope"):
+            raise UnsupportedModel(
+                f"{model_name(model)}: layer {i} has no `self_attn.rope`; "
+                "mlx-kvlingo needs the layer's rope module to un-rotate keys."
+            )
+
+
+def cache_geometry(model: nn.Module) -> CacheGeometry:
+    """Describe the KV cache a model builds: per layer heads, head_dim, window, rope."""
+    check_supported(model)
+    layers = []
+    for layer, c in zip(model.layers, make_prompt_cache(model)):
+        attn = layer.self_attn
+        n_kv = attn.n_kv_heads
+        head_dim = _proj_out_dims(attn.k_proj) // n_kv
+        window = c.max_size if isinstance(c, RotatingKVCache) else None
+        layers.append(LayerGeometry(n_kv, head_dim, window, describe_rope(attn.rope)))
+    return CacheGeometry(
+        model_type=getattr(model, "model_type", type(model).__module__),
+        dtype=str(cache_dtype(model)).replace("mlx.core.", ""),
+        layers=tuple(layers),
+    )
+
+
+def _proj_out_dims(linear: nn.Module) -> int:
+    # Quantized weights pack the *input* dimension, so rows are outputs either way.
+    return linear.weight.shape[0]
+
+
+def cache_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the model's K/V (its activations) have."""
+    k_proj = model.layers[0].self_attn.k_proj
+    if isinstance(k_proj, nn.QuantizedLinear):
+        return k_proj.scales.dtype
+    return k_proj.weight.dtype
+
+
+def describe_rope(rope: nn.Module) -> dict:
+    """The settings of a rope module that decide how it rotates, as plain JSON values."""
+    d = {"class": type(rope).__name__}
+    for attr in ("dims", "dim", "traditional", "base", "scale", "mscale", "_scale"):
+        v = getattr(rope, attr, None)
+        if isinstance(v, bool):
+            d[attr.lstrip("_")] = v
+        elif isinstance(v, (int, float)):
+            d[attr.lstrip("_")] = float(v)  # 10000 and 10000.0 are the same rope
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        rounded = [round(float(f), 6) for f in freqs.tolist()]
+        d["freqs_sha"] = hashlib.sha256(json.dumps(rounded).encode()).hexdigest()[:16]
+    return d
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary: two tokenizers with equal fingerprints split text alike."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------
+# Rotary position in and out
+
+
+def _rope_input_scale(rope: nn.Module) -> float:
+    """Some rope variants scale their input as well as rotating it (yarn, longrope)."""
+    from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE
+
+    if isinstance(rope, YarnRoPE):
+        return rope.mscale
+    if isinstance(rope, SuScaledRoPE):
+        return rope._scale
+    return 1.0
+
+
+def _rotated_dims(rope: nn.Module, head_dim: int) -> int:
+    return getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim
+
+
+def _flip_pairs(x: mx.array, rope: nn.Module) -> mx.array:
+    """Negate the second element of every rotation pair: P with P R(t) P = R(-t)."""
+    dims = _rotated_dims(rope, x.shape[-1])
+    if getattr(rope, "traditional", False):
+        sign = mx.where(mx.arange(dims) % 2 == 1, -1.0, 1.0)
+    else:
+        sign = mx.where(mx.arange(dims) >= dims // 2, -1.0, 1.0)
+    if dims < x.shape[-1]:
+        sign = mx.concatenate([sign, mx.ones(x.shape[-1] - dims)])
+    return x * sign.astype(x.dtype)
+
+
+def unrope(rope: nn.Module, keys: mx.array, start: int) -> mx.array:
+    """Exact inverse of ``rope(keys, offset=start)`` for any pure-rotation rope module.
+
+    ``keys``: [..., T, head_dim], positions start .. start+T-1.
+    """
+    out = _flip_pairs(rope(_flip_pairs(keys, rope), offset=start), rope)
+    scale = _rope_input_scale(rope)
+    if scale != 1.0:
+        # rope(P x) = R(s * P x) scaled the rotated dims once more: divide twice.
+        dims = _rotated_dims(rope, keys.shape[-1])
+        out = out.at[..., :dims].multiply(1.0 / (scale * scale))
+    return out
+
+
+def rerope(rope: nn.Module, keys: mx.array, start: int) -> mx.array:
+    """Apply the layer's rope to content-space keys at positions start .. start+T-1."""
+    return rope(keys, offset=start)
+
+
+# ---------------------------------------------------------------------------
+# Reading and writing caches
+
+
+def read_layer(c) -> Tuple[mx.array, mx.array, int]:
+    """Live keys and values of one layer cache in temporal order, and the position
+    of their first token. Quantized caches are dequantized."""
+    if isinstance(c, QuantizedKVCache):
+        if c.keys is None:
+            return None, None, 0
+        keys = mx.dequantize(*c.keys, group_size=c.group_size, bits=c.bits)
+        values = mx.dequantize(*c.values, group_size=c.group_size, bits=c.bits)
+        keys, values = keys[..., : c.offset, :], values[..., : c.offset, :]
+        return keys, values, 0
+    if isinstance(c, RotatingKVCache):
+        if c.keys is None:
+            return None, None, 0
+        keys = c._temporal_order(c.keys)
+        values = c._temporal_order(c.values)
+        n = min(keys.shape[2], c.offset)  # slots past `offset` were never written
+        return keys[..., -n:, :], values[..., -n:, :], c.offset - n
+    if isinstance(c, KVCache):
+        if c.keys is None:
+            return None, None, 0
+        return c.keys[..., : c.offset, :], c.values[..., : c.offset, :], 0
+    raise UnsupportedModel(f"Cannot read keys and values from a {type(c).__name__}.")
+
+
+def cache_length(cache: List) -> int:
+    """Number of tokens a prompt cache has processed."""
+    return cache[0].offset
+
+
+def content_features(
+    model: nn.Module, cache: List, layers: Optional[List[int]] = None
+) -> Tuple[List[mx.array], List[mx.array], int]:
+    """Keys (un-rotated) and values of a cache, flattened per token.
+
+    Returns (keys, values, start): lists over layers of [B, T, heads*head_dim] and
+    the position of the first token. Layers not in ``layers`` are None. Every
+    requested layer must hold the same positions (a sliding layer that lost early
+    tokens cannot provide features for them).
+    """
+    layers = range(len(cache)) if layers is None else layers
+    ks, vs = [None] * len(cache), [None] * len(cache)
+    start = None
+    for i in layers:
+        k, v, s = read_layer(cache[i])
+        if k is None:
+            raise KvlingoError("The cache is empty: process some tokens first.")
+        if start is None:
+            start, length = s, k.shape[2]
+        elif (s, k.shape[2]) != (start, length):
+            raise KvlingoError(
+                f"Layer {i} of the cache holds positions {s}..{s + k.shape[2] - 1} but "
+                f"other layers hold {start}..{start + length - 1}: a sliding-window layer "
+                "has dropped early tokens. Prefill the source in one pass "
+                "(see mlx_kvlingo.models.prefill) to get complete features."
+            )
+        k = unrope(model.layers[i].self_attn.rope, k, s)
+        ks[i], vs[i] = _flatten_heads(k), _flatten_heads(v)
+    return ks, vs, start
+
+
+def _flatten_heads(x: mx.array) -> mx.array:
+    """[B, H, T, D] -> [B, T, H*D]."""
+    B, H, T, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+
+
+def _split_heads(x: mx.array, n_heads: int) -> mx.array:
+    """[B, T, H*D] -> [B, H, T, D]."""
+    B, T, F = x.shape
+    return x.reshape(B, T, n_heads, F // n_heads).transpose(0, 2, 1, 3)
+
+
+def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) -> List:
+    """Run ``tokens`` ([B, T] or [T]) through the model in one pass; return the cache.
+
+    One pass matters for sliding-window layers: mlx-lm's RotatingKVCache keeps every
+    token of its first multi-token update, so all positions stay readable.
+    """
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    cache = make_prompt_cache(model) if cache is None else cache
+    body = getattr(model, "model", None)
+    # The inner model skips the LM head, which dominates cost for large vocabularies.
+    (body if body is not None else model)(tokens, cache=cache)
+    return cache
+
+
+def source_features(model: nn.Module, tokens: mx.array, layers=None):
+    """Content-space K/V features of ``tokens`` from a fresh one-pass prefill."""
+    return content_features(model, prefill(model, tokens), layers)
+
+
+def build_cache(
+    model: nn.Module,
+    keys: List[mx.array],
+    values: List[mx.array],
+    start: int = 0,
+    cache: Optional[List] = None,
+) -> List:
+    """Write content-space K/V ([B, T, heads*head_dim] per layer) into a target cache.
+
+    Keys are rotated with each layer's own rope at positions start .. start+T-1 and
+    everything is cast to the model's dtype. With ``cache`` given, the tokens are
+    appended to it (its length must equal ``start``); otherwise a fresh cache of the
+    types ``make_prompt_cache`` makes is filled. Sliding-window layers keep only
+    the last ``window`` positions, in temporal order.
+    """
+    geometry = cache_geometry(model)
+    dtype = cache_dtype(model)
+    if cache is None:
+        cache = make_prompt_cache(model)
+    for i, (c, lg) in enumerate(zip(cache, geometry.layers)):
+        k, v = keys[i], values[i]
+        T = k.shape[1]
+        if lg.window is not None and T > lg.window:
+            # Positions before the last `window` are never attended to again.
+            k, v = k[:, -lg.window :], v[:, -lg.window :]
+        k_start = start + T - k.shape[1]
+        k = rerope(model.layers[i].self_attn.rope, _split_heads(k, lg.n_kv_heads), k_start)
+        v = _split_heads(v, lg.n_kv_heads)
+        _append(c, k.astype(dtype), v.astype(dtype), start, start + T)
+    return cache
+
+
+def _append(c, keys: mx.array, values: mx.array, start: int, end: int):
+    """Append K/V for positions ending at ``end`` to a cache that holds ``start`` tokens."""
+    if c.offset != start:
+        raise KvlingoError(f"Cache holds {c.offset} tokens, cannot append at {start}.")
+    if c.keys is not None:
+        old_k, old_v, _ = read_layer(c)
+        keys = mx.concatenate([old_k, keys], axis=2)
+        values = mx.concatenate([old_v, values], axis=2)
+    if isinstance(c, RotatingKVCache):
+        keys, values = keys[..., -c.max_size :, :], values[..., -c.max_size :, :]
+        c._idx = keys.shape[2]
+    c.keys, c.values, c.offset = keys, values, end

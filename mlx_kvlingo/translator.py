@@ -1,0 +1,289 @@
+"""The translator: per target layer one K map and one V map, and the file it lives in.
+
+A map is a bias-free dense matrix over the flattened KV heads of one token, so head
+counts and head dims may differ between the models. Target layer ``i`` reads the
+content-space features of the source layers ``layer_map[i]`` concatenated (one layer
+by default, the nearest in relative depth).
+
+File format: one safetensors file. Tensors ``k_maps.{i}.weight`` and
+``v_maps.{i}.weight`` ([target width, source width x len(layer_map[i])], float32);
+metadata key ``mlx_kvlingo`` holds the JSON of :class:`TranslatorSpec`.
+"""
+
+import json
+import math
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import TranslatorFileError, TranslatorMismatch
+from .models import CacheGeometry, cache_geometry, model_name, tokenizer_fingerprint
+
+FORMAT_VERSION = 1
+METADATA_KEY = "mlx_kvlingo"
+
+
+@dataclass
+class ModelIdentity:
+    """What a translator knows about one of its two models."""
+
+    name: str
+    geometry: dict
+    fingerprint: str
+    tokenizer: Optional[str] = None  # tokenizer fingerprint, when known
+
+    @classmethod
+    def of(cls, model: nn.Module, tokenizer=None) -> "ModelIdentity":
+        g = cache_geometry(model)
+        tok = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+        return cls(model_name(model), g.to_dict(), g.fingerprint(), tok)
+
+    @property
+    def cache_geometry(self) -> CacheGeometry:
+        return CacheGeometry.from_dict(self.geometry)
+
+
+@dataclass
+class TranslatorSpec:
+    source: ModelIdentity
+    target: ModelIdentity
+    layer_map: List[List[int]]  # source layers feeding each target layer
+    native_prefix: int = 1  # first context tokens the target computes itself
+    training: dict = field(default_factory=dict)  # how the maps were made
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TranslatorSpec":
+        d = json.loads(text)
+        d["source"] = ModelIdentity(**d["source"])
+        d["target"] = ModelIdentity(**d["target"])
+        return cls(**d)
+
+
+def nearest_layer_map(n_source: int, n_target: int, per_layer: int = 1) -> List[List[int]]:
+    """For each target layer, ``per_layer`` adjacent source layers centred on the one
+    at the nearest relative depth."""
+    if not 1 <= per_layer <= n_source:
+        raise ValueError(f"per_layer must be in 1..{n_source}, got {per_layer}")
+    out = []
+    for i in range(n_target):
+        centre = round(i * (n_source - 1) / max(n_target - 1, 1))
+        first = min(max(centre - (per_layer - 1) // 2, 0), n_source - per_layer)
+        out.append(list(range(first, first + per_layer)))
+    return out
+
+
+class Translator(nn.Module):
+    def __init__(self, spec: TranslatorSpec):
+        super().__init__()
+        self.spec = spec  # not an array, dict or list: a plain attribute, not a parameter
+        src = spec.source.cache_geometry.layers
+        tgt = spec.target.cache_geometry.layers
+        if len(spec.layer_map) != len(tgt):
+            raise TranslatorFileError(
+                f"layer_map has {len(spec.layer_map)} entries for {len(tgt)} target layers"
+            )
+        widths = [sum(src[j].width for j in layers) for layers in spec.layer_map]
+        self.k_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
+        self.v_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
+
+    @classmethod
+    def for_models(
+        cls,
+        source: nn.Module,
+        target: nn.Module,
+        source_tokenizer=None,
+        target_tokenizer=None,
+        sources_per_layer: int = 1,
+        native_prefix: int = 1,
+    ) -> "Translator":
+        """A translator (maps still random) for a pair of loaded models."""
+        s = ModelIdentity.of(source, source_tokenizer)
+        t = ModelIdentity.of(target, target_tokenizer)
+        n_s, n_t = len(s.geometry["layers"]), len(t.geometry["layers"])
+        layer_map = nearest_layer_map(n_s, n_t, sources_per_layer)
+        return cls(TranslatorSpec(s, t, layer_map, native_prefix))
+
+    def __call__(self, keys: List[mx.array], values: List[mx.array]):
+        """Map source content-space K/V (lists over source layers of [B, T, width])
+        to target content-space K/V (lists over target layers)."""
+        out_k, out_v = [], []
+        for layers, km, vm in zip(self.spec.layer_map, self.k_maps, self.v_maps):
+            out_k.append(km(_concat([keys[j] for j in layers])))
+            out_v.append(vm(_concat([values[j] for j in layers])))
+        return out_k, out_v
+
+    @property
+    def source_layers(self) -> List[int]:
+        """Source layers any map reads, so callers extract only these."""
+        return sorted({j for layers in self.spec.layer_map for j in layers})
+
+    # -- checking against models -------------------------------------------
+
+    def check_models(self, source, target, source_tokenizer=None, target_tokenizer=None):
+        """Raise TranslatorMismatch naming every field where the models differ from
+        the ones this translator was made for."""
+        problems = []
+        for role, ident, model, tok in (
+            ("source", self.spec.source, source, source_tokenizer),
+            ("target", self.spec.target, target, target_tokenizer),
+        ):
+            problems += _geometry_differences(
+                role, ident.cache_geometry, cache_geometry(model)
+            )
+            if tok is not None and ident.tokenizer is not None:
+                if tokenizer_fingerprint(tok) != ident.tokenizer:
+                    problems.append(
+                        f"{role} tokenizer: vocabulary differs from the one the "
+                        "translator was trained with"
+                    )
+        if problems:
+            raise TranslatorMismatch(
+                f"Translator {self.spec.source.name} -> {self.spec.target.name} does not "
+                f"fit {model_name(source)} -> {model_name(target)}:\n  - "
+                + "\n  - ".join(problems)
+            )
+
+    # -- files ---------------------------------------------------------------
+
+    def save(self, path):
+        """Write the translator atomically (temporary file, then rename)."""
+        path = Path(path)
+        arrays = dict(tree_flatten(self.parameters()))
+        arrays = {k: v.astype(mx.float32) for k, v in arrays.items()}
+        tmp = path.with_name(f".{path.name}.tmp.safetensors")
+        try:
+            mx.save_safetensors(str(tmp), arrays, {METADATA_KEY: self.spec.to_json()})
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def _concat(xs: List[mx.array]) -> mx.array:
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+
+
+def _geometry_differences(role: str, want: CacheGeometry, have: CacheGeometry):
+    """Human-readable differences between the geometry a translator expects and a model's."""
+    out = []
+    if want.model_type != have.model_type:
+        out.append(f"{role} model_type: translator {want.model_type}, model {have.model_type}")
+    if want.n_layers != have.n_layers:
+        out.append(f"{role} layers: translator {want.n_layers}, model {have.n_layers}")
+        return out
+    for i, (a, b) in enumerate(zip(want.layers, have.layers)):
+        for name in ("n_kv_heads", "head_dim", "window", "rope"):
+            va, vb = getattr(a, name), getattr(b, name)
+            if va != vb:
+                out.append(f"{role} layer {i} {name}: translator {va}, model {vb}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def load_translator(path) -> Translator:
+    """Read a translator file, checking its header, metadata, shapes and values."""
+    path = Path(path)
+    if not path.is_file():
+        raise TranslatorFileError(f"Translator file not found: {path}")
+    header = _read_safetensors_header(path)
+    meta = header.get("__metadata__") or {}
+    if METADATA_KEY not in meta:
+        raise TranslatorFileError(
+            f"{path} is a safetensors file but not an mlx-kvlingo translator "
+            f"(no '{METADATA_KEY}' metadata)."
+        )
+    try:
+        spec = TranslatorSpec.from_json(meta[METADATA_KEY])
+    except (ValueError, TypeError, KeyError) as e:
+        raise TranslatorFileError(f"{path}: damaged translator metadata ({e}).") from e
+    if spec.format_version > FORMAT_VERSION:
+        raise TranslatorFileError(
+            f"{path} has format version {spec.format_version}; this mlx-kvlingo reads "
+            f"up to {FORMAT_VERSION}. Upgrade mlx-kvlingo."
+        )
+    try:
+        translator = Translator(spec)
+    except (TypeError, KeyError, ValueError, IndexError) as e:
+        raise TranslatorFileError(f"{path}: inconsistent translator metadata ({e}).") from e
+    expected = dict(tree_flatten(translator.parameters()))
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        raise TranslatorFileError(
+            f"{path}: tensors do not match the metadata (missing {missing[:4]}, "
+            f"unexpected {extra[:4]})."
+        )
+    for name, info in tensors.items():
+        if info.get("dtype") != "F32" or list(info.get("shape", [])) != list(
+            expected[name].shape
+        ):
+            raise TranslatorFileError(
+                f"{path}: tensor {name} is {info.get('dtype')} {info.get('shape')}, "
+                f"expected F32 {list(expected[name].shape)}."
+            )
+    try:
+        arrays = mx.load(str(path))
+    except Exception as e:
+        raise TranslatorFileError(f"{path}: could not read tensors ({e}).") from e
+    for name, a in arrays.items():
+        if not mx.all(mx.isfinite(a)).item():
+            raise TranslatorFileError(f"{path}: tensor {name} contains NaN or inf.")
+    translator.load_weights(list(arrays.items()))
+    mx.eval(translator.parameters())
+    return translator
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1}
+
+
+def _read_safetensors_header(path: Path) -> dict:
+    """Parse and validate a safetensors header without trusting it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise TranslatorFileError(f"{path}: truncated (no safetensors header).")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > min(size - 8, 100 * 2**20):
+            raise TranslatorFileError(f"{path}: not a safetensors file (bad header size).")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TranslatorFileError(f"{path}: damaged safetensors header ({e}).") from e
+    if not isinstance(header, dict):
+        raise TranslatorFileError(f"{path}: damaged safetensors header.")
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(
+                isinstance(v, str) for v in info.values()
+            ):
+                raise TranslatorFileError(f"{path}: damaged safetensors metadata.")
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            count = math.prod(info["shape"]) * _DTYPE_BYTES[info["dtype"]]
+            ok = 0 <= begin <= end <= data_size and end - begin == count
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise TranslatorFileError(
+                f"{path}: tensor {name!r} has an invalid entry in the header "
+                "(truncated or altered file)."
+            )
+    return header

@@ -1,0 +1,42 @@
+"""Tiny mlx-lm models built from config dicts, one per supported architecture."""
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes
+
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    vocab_size=97,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+CONFIGS = {
+    "qwen2": dict(BASE, model_type="qwen2", rope_theta=10000.0),
+    "qwen3": dict(BASE, model_type="qwen3", head_dim=24, rope_theta=1e6),
+    "llama": dict(BASE, model_type="llama", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama_traditional": dict(BASE, model_type="llama", rope_traditional=True),
+    "mistral": dict(BASE, model_type="mistral", num_key_value_heads=1, rope_theta=1e6),
+    "gemma3_text": dict(BASE, model_type="gemma3_text", num_hidden_layers=6, head_dim=32,
+                        num_key_value_heads=1, sliding_window=8, sliding_window_pattern=3,
+                        query_pre_attn_scalar=32),
+}
+
+
+def tiny_model(name, seed=0, **overrides):
+    config = dict(CONFIGS[name], **overrides)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    if hasattr(model, "sanitize"):
+        model.sanitize({})  # e.g. gemma3 ties its LM head when it has no lm_head weight
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    model.name_or_path = f"tiny-{name}"
+    return model
