@@ -285,7 +285,7 @@ def cache_length(cache: List) -> int:
     return cache[0].offset
 
 
-def content_features(
+def cache_features(
     model: nn.Module, cache: List, layers: Optional[List[int]] = None
 ) -> Tuple[List[mx.array], List[mx.array], int]:
     """Keys (un-rotated) and values of a cache, flattened per token.
@@ -343,9 +343,9 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
     return cache
 
 
-def source_features(model: nn.Module, tokens: mx.array, layers=None):
+def token_features(model: nn.Module, tokens: mx.array, layers=None):
     """Content-space K/V features of ``tokens`` from a fresh one-pass prefill."""
-    return content_features(model, prefill(model, tokens), layers)
+    return cache_features(model, prefill(model, tokens), layers)
 
 
 def build_cache(

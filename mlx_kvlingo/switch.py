@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 
 from .errors import KvlingoError
-from .models import build_cache, cache_length, content_features, prefill
+from .models import build_cache, cache_length, cache_features, prefill
 from .translator import Translator
 
 
@@ -51,7 +51,7 @@ def translate_cache(
     cache = prefill(target, tokens[:, :n_native]) if n_native else None
     if n_native == length:
         return cache
-    keys, values, start = content_features(source, source_cache, translator.source_layers)
+    keys, values, start = cache_features(source, source_cache, translator.source_layers)
     # Source positions start at `start` (0 unless a sliding layer dropped tokens).
     lo, hi = n_native - start, length - start
     if lo < 0:

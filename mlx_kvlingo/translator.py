@@ -42,7 +42,8 @@ class ModelIdentity:
     def of(cls, model: nn.Module, tokenizer=None) -> "ModelIdentity":
         g = cache_geometry(model)
         tok = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-        return cls(model_name(model), g.to_dict(), g.fingerprint(), tok)
+        geometry = json.loads(json.dumps(g.to_dict()))  # tuples -> lists, as in a file
+        return cls(model_name(model), geometry, g.fingerprint(), tok)
 
     @property
     def cache_geometry(self) -> CacheGeometry:
@@ -207,17 +208,12 @@ def load_translator(path) -> Translator:
         )
     try:
         spec = TranslatorSpec.from_json(meta[METADATA_KEY])
-    except (ValueError, TypeError, KeyError) as e:
-        raise TranslatorFileError(f"{path}: damaged translator metadata ({e}).") from e
-    if spec.format_version > FORMAT_VERSION:
-        raise TranslatorFileError(
-            f"{path} has format version {spec.format_version}; this mlx-kvlingo reads "
-            f"up to {FORMAT_VERSION}. Upgrade mlx-kvlingo."
-        )
-    try:
+        _validate_spec(spec)
         translator = Translator(spec)
-    except (TypeError, KeyError, ValueError, IndexError) as e:
-        raise TranslatorFileError(f"{path}: inconsistent translator metadata ({e}).") from e
+    except TranslatorFileError as e:
+        raise TranslatorFileError(f"{path}: {e}") from e
+    except Exception as e:  # any malformed JSON structure
+        raise TranslatorFileError(f"{path}: damaged translator metadata ({e!r}).") from e
     expected = dict(tree_flatten(translator.parameters()))
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     if set(tensors) != set(expected):
@@ -236,7 +232,7 @@ def load_translator(path) -> Translator:
                 f"expected F32 {list(expected[name].shape)}."
             )
     try:
-        arrays = mx.load(str(path))
+        arrays = mx.load(str(path), format="safetensors")
     except Exception as e:
         raise TranslatorFileError(f"{path}: could not read tensors ({e}).") from e
     for name, a in arrays.items():
@@ -245,6 +241,36 @@ def load_translator(path) -> Translator:
     translator.load_weights(list(arrays.items()))
     mx.eval(translator.parameters())
     return translator
+
+
+def _is_count(x, minimum=0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+
+
+def _validate_spec(spec: TranslatorSpec):
+    """Refuse metadata that would load but translate wrongly."""
+    if not _is_count(spec.format_version, 1):
+        raise TranslatorFileError(f"invalid format_version {spec.format_version!r}.")
+    if spec.format_version > FORMAT_VERSION:
+        raise TranslatorFileError(
+            f"format version {spec.format_version}; this mlx-kvlingo reads up to "
+            f"{FORMAT_VERSION}. Upgrade mlx-kvlingo."
+        )
+    if not _is_count(spec.native_prefix):
+        raise TranslatorFileError(f"invalid native_prefix {spec.native_prefix!r}.")
+    for role in ("source", "target"):
+        layers = getattr(spec, role).geometry["layers"]
+        if not layers or not all(
+            _is_count(lg["n_kv_heads"], 1) and _is_count(lg["head_dim"], 1)
+            for lg in layers
+        ):
+            raise TranslatorFileError(f"invalid {role} geometry.")
+    n_source = len(spec.source.geometry["layers"])
+    for i, layers in enumerate(spec.layer_map):
+        if not layers or not all(_is_count(j) and j < n_source for j in layers):
+            raise TranslatorFileError(
+                f"layer_map entry {i} ({layers!r}) must list source layers in 0..{n_source - 1}."
+            )
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1}
@@ -270,6 +296,8 @@ def _read_safetensors_header(path: Path) -> dict:
     data_size = size - 8 - n
     for name, info in header.items():
         if name == "__metadata__":
+            if info is None:  # mlx writes null when a file has no metadata
+                continue
             if not isinstance(info, dict) or not all(
                 isinstance(v, str) for v in info.values()
             ):

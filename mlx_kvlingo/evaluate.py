@@ -1,0 +1,142 @@
+"""Fidelity of a translator (DESIGN §3).
+
+Each held-out window is split into a context and a continuation. The target
+predicts the continuation three ways, differing only in the cache it starts from:
+
+- native: its own prefill of the context (what a re-prefill gives);
+- translated: the translated source cache (plus its own step on the last token);
+- none: no context at all, only the context's last token.
+
+Reported per continuation token: NLLs, KL(native ‖ translated), top-1 agreement
+with native, and the context benefit retained
+CBR = (NLL_none − NLL_translated) / (NLL_none − NLL_native).
+"""
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .models import prefill
+from .switch import translate_context
+
+# CBR divides by the target's own context benefit; below this it is mostly noise.
+MIN_CONTEXT_BENEFIT = 0.5
+
+
+@dataclass
+class Fidelity:
+    context_len: int
+    tokens: int  # continuation tokens scored
+    nll_native: float
+    nll_translated: float
+    nll_none: float
+    kl: float  # KL(native ‖ translated), nats per token
+    kl_none: float  # KL(native ‖ no context), the naive baseline
+    top1: float  # fraction of positions where argmax agrees with native
+
+    @property
+    def context_benefit(self) -> float:
+        return self.nll_none - self.nll_native
+
+    @property
+    def cbr(self) -> float:
+        benefit = self.context_benefit
+        return (self.nll_none - self.nll_translated) / benefit if benefit else float("nan")
+
+    @property
+    def cbr_meaningful(self) -> bool:
+        return self.context_benefit >= MIN_CONTEXT_BENEFIT
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            cbr=self.cbr,
+            context_benefit=self.context_benefit,
+            cbr_meaningful=self.cbr_meaningful,
+        )
+        return d
+
+
+def continuation_logprobs(model: nn.Module, context: mx.array, continuation: mx.array, cache):
+    """Log-probs [B, L, V] the model gives each continuation token, from ``cache``
+    holding ``context[:, :-1]`` (or None for no context)."""
+    inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
+    logits = model(inputs, cache=cache).astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _nll(logprobs: mx.array, targets: mx.array) -> mx.array:
+    return -mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+
+
+def _kl(p_log: mx.array, q_log: mx.array) -> mx.array:
+    return (mx.exp(p_log) * (p_log - q_log)).sum(-1)
+
+
+def evaluate_translator(
+    source: nn.Module,
+    target: nn.Module,
+    translator,
+    windows: Iterable[mx.array],
+    context_len: int,
+) -> Fidelity:
+    """Score ``translator`` on token windows [B, T] (T > context_len) read identically
+    by both models."""
+    sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
+    n = 0
+    for tokens in windows:
+        context, continuation = tokens[:, :context_len], tokens[:, context_len:]
+        native = continuation_logprobs(
+            target, context, continuation, prefill(target, context[:, :-1])
+        )
+        cache = translate_context(source, target, translator, context)
+        translated = continuation_logprobs(target, context, continuation, cache)
+        none = continuation_logprobs(target, context, continuation, None)
+        step = dict(
+            native=_nll(native, continuation).sum(),
+            translated=_nll(translated, continuation).sum(),
+            none=_nll(none, continuation).sum(),
+            kl=_kl(native, translated).sum(),
+            kl_none=_kl(native, none).sum(),
+            top1=(native.argmax(-1) == translated.argmax(-1)).sum(),
+        )
+        mx.eval(step)
+        for k, v in step.items():
+            sums[k] += v.item()
+        n += continuation.size
+    if n == 0:
+        raise ValueError("No windows to evaluate.")
+    return Fidelity(
+        context_len=context_len,
+        tokens=n,
+        nll_native=sums["native"] / n,
+        nll_translated=sums["translated"] / n,
+        nll_none=sums["none"] / n,
+        kl=sums["kl"] / n,
+        kl_none=sums["kl_none"] / n,
+        top1=sums["top1"] / n,
+    )
+
+
+def format_table(rows: List[Fidelity]) -> str:
+    """A plain-text table of fidelity rows, with a note where CBR is not meaningful."""
+    head = (
+        f"{'context':>7} {'tokens':>6} {'NLL native':>10} {'translated':>10} "
+        f"{'no context':>10} {'benefit':>7} {'CBR':>6} {'KL':>7} {'KL none':>7} {'top-1':>6}"
+    )
+    lines = [head]
+    for r in rows:
+        flag = "" if r.cbr_meaningful else " *"
+        lines.append(
+            f"{r.context_len:>7} {r.tokens:>6} {r.nll_native:>10.3f} {r.nll_translated:>10.3f} "
+            f"{r.nll_none:>10.3f} {r.context_benefit:>7.3f} {r.cbr:>6.1%} {r.kl:>7.3f} "
+            f"{r.kl_none:>7.3f} {r.top1:>6.1%}{flag}"
+        )
+    if any(not r.cbr_meaningful for r in rows):
+        lines.append(
+            f"* the target gains less than {MIN_CONTEXT_BENEFIT} nats/token from context "
+            "here, so CBR is mostly noise; read KL and top-1 instead."
+        )
+    return "\n".join(lines)

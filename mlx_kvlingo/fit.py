@@ -1,0 +1,154 @@
+"""Stage 1: closed-form least-squares maps from streamed float64 moments.
+
+For target layer i and K (likewise V), with X the concatenated content-space
+features of the source layers ``layer_map[i]`` and Y the target's, the map W
+minimises |Y - X Wᵀ|² + λ |W|². It only needs XᵀX and YᵀX, summed over any number
+of token positions, so memory does not grow with the corpus.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .models import token_features
+from .translator import Translator
+
+
+@dataclass
+class Moments:
+    """Running sums for one least-squares problem Y ≈ X Wᵀ."""
+
+    xtx: np.ndarray
+    ytx: np.ndarray
+    y_sum: np.ndarray
+    y_sq: np.ndarray  # per output column
+    count: int = 0
+
+    @classmethod
+    def zeros(cls, d_in: int, d_out: int) -> "Moments":
+        return cls(
+            np.zeros((d_in, d_in)), np.zeros((d_out, d_in)), np.zeros(d_out), np.zeros(d_out)
+        )
+
+
+@dataclass
+class FitReport:
+    tokens: int = 0
+    seconds: float = 0.0
+    r2_keys: List[float] = field(default_factory=list)
+    r2_values: List[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 2),
+            "r2_keys": [round(r, 4) for r in self.r2_keys],
+            "r2_values": [round(r, 4) for r in self.r2_values],
+            "mean_r2_keys": round(float(np.mean(self.r2_keys)), 4),
+            "mean_r2_values": round(float(np.mean(self.r2_values)), 4),
+        }
+
+
+class MomentAccumulator:
+    """Streams (source, target) feature batches into the moments of every map.
+
+    XᵀX depends only on which source layers feed a map, so it is kept once per
+    distinct input set and shared by the maps that read it.
+    """
+
+    def __init__(self, translator: Translator):
+        self.translator = translator
+        self.layer_map = [tuple(m) for m in translator.spec.layer_map]
+        self.xtx: Dict[Tuple[int, ...], Dict[str, np.ndarray]] = {}
+        self.outputs: List[Dict[str, Moments]] = []
+        for i, layers in enumerate(self.layer_map):
+            d_in = translator.k_maps[i].weight.shape[1]
+            d_out = translator.k_maps[i].weight.shape[0]
+            self.outputs.append({kind: Moments.zeros(d_in, d_out) for kind in "kv"})
+            self.xtx.setdefault(layers, {kind: np.zeros((d_in, d_in)) for kind in "kv"})
+        self.count = 0
+
+    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0):
+        """Add features ([B, T, width] per layer) of positions skip.. of every row."""
+
+        def rows(x):
+            x = np.asarray(x[:, skip:].astype(mx.float32), dtype=np.float64)
+            return x.reshape(-1, x.shape[-1])
+
+        src = {"k": src_k, "v": src_v}
+        tgt = {"k": tgt_k, "v": tgt_v}
+        inputs = {}
+        for layers, sums in self.xtx.items():
+            for kind in "kv":
+                x = np.concatenate([rows(src[kind][j]) for j in layers], axis=1)
+                inputs[layers, kind] = x
+                sums[kind] += x.T @ x
+        for i, layers in enumerate(self.layer_map):
+            for kind in "kv":
+                x, y = inputs[layers, kind], rows(tgt[kind][i])
+                m = self.outputs[i][kind]
+                m.ytx += y.T @ x
+                m.y_sum += y.sum(0)
+                m.y_sq += (y * y).sum(0)
+                m.count += len(y)
+        self.count += len(next(iter(inputs.values())))
+
+    def solve(self, ridge: float = 1e-3) -> List[float]:
+        """Write the least-squares maps into the translator; return R² per map
+        (keys of every layer, then values of every layer).
+
+        ``ridge`` is relative to the mean eigenvalue of XᵀX, so one value suits
+        features of any scale.
+        """
+        r2 = {"k": [], "v": []}
+        for i, layers in enumerate(self.layer_map):
+            for kind in "kv":
+                xtx = self.xtx[layers][kind]
+                m = self.outputs[i][kind]
+                lam = ridge * np.trace(xtx) / len(xtx)
+                w = np.linalg.solve(xtx + lam * np.eye(len(xtx)), m.ytx.T).T
+                sse = m.y_sq.sum() - 2 * np.sum(w * m.ytx) + np.sum((w @ xtx) * w)
+                sst = m.y_sq.sum() - np.sum(m.y_sum**2) / max(m.count, 1)
+                r2[kind].append(float(1 - sse / sst) if sst > 0 else 0.0)
+                maps = self.translator.k_maps if kind == "k" else self.translator.v_maps
+                maps[i].weight = mx.array(w.astype(np.float32))
+        mx.eval(self.translator.parameters())
+        return r2["k"], r2["v"]
+
+
+def fit_stage1(
+    source,
+    target,
+    translator: Translator,
+    batches: Iterable[mx.array],
+    ridge: float = 1e-3,
+    progress: Optional[Callable[[int], None]] = None,
+) -> FitReport:
+    """Fit every map of ``translator`` in closed form on token batches [B, T] that both
+    models read identically (a shared tokenizer).
+
+    Positions the target computes natively at switch time (the first
+    ``native_prefix`` of each window) are left out of the fit.
+    """
+    t0 = time.perf_counter()
+    acc = MomentAccumulator(translator)
+    skip = translator.spec.native_prefix
+    for tokens in batches:
+        src_k, src_v, _ = token_features(source, tokens, translator.source_layers)
+        tgt_k, tgt_v, _ = token_features(target, tokens)
+        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
+        if progress is not None:
+            progress(tokens.shape[0] * (tokens.shape[1] - skip))
+    report = FitReport(tokens=acc.count)
+    report.r2_keys, report.r2_values = acc.solve(ridge)
+    report.seconds = time.perf_counter() - t0
+    translator.spec.training = {
+        "stage": 1,
+        "method": "least squares",
+        "ridge": ridge,
+        "fit": report.to_dict(),
+    }
+    return report

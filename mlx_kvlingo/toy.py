@@ -1,0 +1,199 @@
+"""The embedded default pair: two small models built and trained here, no hub needed.
+
+``mlx-kvlingo demo`` and the tests need two *different* models that read the same
+tokens and actually use their context. Nothing can be downloaded at test time, so
+this module trains a byte-level BPE tokenizer and two small transformers of
+different shape (a qwen3 and a llama, different depth, head count and width) on
+the standard library's docstrings, and saves each as an ordinary mlx-lm model
+directory that ``mlx_lm.load`` opens. Results are cached on disk.
+"""
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from .data import split_documents, stdlib_documents, token_stream, token_windows
+
+VOCAB_SIZE = 1024
+
+# Two models of different geometry: depth 4 vs 6, 2 vs 3 KV heads, head_dim 32 vs 24.
+PAIR_CONFIGS = {
+    "source": dict(
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+    ),
+    "target": dict(
+        model_type="llama",
+        hidden_size=144,
+        num_hidden_layers=6,
+        intermediate_size=384,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=24,
+        rope_theta=10000.0,
+    ),
+}
+COMMON = dict(
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB_SIZE,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("MLX_KVLINGO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mlx-kvlingo"
+    )
+    return Path(base)
+
+
+def build_tokenizer(docs, out_dir: Path, vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE tokenizer and save it as a Hugging Face tokenizer dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((text for _, text in docs), trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "model_max_length": 1000000000,
+            }
+        )
+    )
+
+
+def load_tokenizer(model_dir: Path):
+    from mlx_lm.tokenizer_utils import load as load_tok
+
+    return load_tok(Path(model_dir))
+
+
+def _build_model(config: dict, seed: int):
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def train_language_model(
+    model,
+    stream,
+    steps: int,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log: Optional[Callable[[str], None]] = None,
+):
+    """Next-token training with AdamW and a cosine schedule; returns the final loss."""
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-5, lr, max(steps // 20, 1)), optim.cosine_decay(lr, steps)],
+        [max(steps // 20, 1)],
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+
+    def loss_fn(model, x):
+        logits = model(x[:, :-1])
+        return nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+
+    state = [model.state, opt.state]
+
+    def step(x):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return loss
+
+    step = mx.compile(step, inputs=state, outputs=state)
+    windows = token_windows(stream, seq_len + 1, batch_size, 10**9, seed)
+    loss = math.nan
+    t0 = time.perf_counter()
+    for i in range(steps):
+        try:
+            x = next(windows)
+        except StopIteration:
+            windows = token_windows(stream, seq_len + 1, batch_size, 10**9, seed + i)
+            x = next(windows)
+        loss = step(x)
+        mx.eval(state)
+        if log and (i % 100 == 0 or i == steps - 1):
+            log(f"  step {i + 1}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+    return float(loss.item())
+
+
+def save_model_dir(model, config: dict, tokenizer_dir: Path, out_dir: Path):
+    """Save an mlx-lm model directory atomically: config, weights, tokenizer files."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def ensure_toy_pair(
+    cache_dir: Optional[Path] = None,
+    steps: int = 600,
+    log: Optional[Callable[[str], None]] = print,
+):
+    """Paths (source_dir, target_dir) of the trained toy pair, building it if needed.
+
+    A pair trained with a different number of steps is rebuilt.
+    """
+    cache_dir = Path(cache_dir or default_cache_dir()) / f"toy-pair-{steps}"
+    src_dir, tgt_dir = cache_dir / "source", cache_dir / "target"
+    if (src_dir / "model.safetensors").exists() and (tgt_dir / "model.safetensors").exists():
+        return src_dir, tgt_dir
+    log = log or (lambda s: None)
+    train_docs, _ = split_documents(stdlib_documents())
+    tok_dir = cache_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        log("Training a byte-level BPE tokenizer on the standard library's docstrings ...")
+        build_tokenizer(train_docs, tok_dir)
+    tokenizer = load_tokenizer(tok_dir)
+    stream = token_stream(tokenizer, train_docs)
+    for seed, (role, out_dir) in enumerate((("source", src_dir), ("target", tgt_dir))):
+        if (out_dir / "model.safetensors").exists():
+            continue
+        config = dict(PAIR_CONFIGS[role], **COMMON)
+        log(f"Training the {role} model ({config['model_type']}, "
+            f"{config['num_hidden_layers']} layers) for {steps} steps ...")
+        model = _build_model(config, seed=seed)
+        train_language_model(model, stream, steps, seed=seed, log=log)
+        save_model_dir(model, config, tok_dir, out_dir)
+    return src_dir, tgt_dir
