@@ -1,9 +1,351 @@
+"""The `mlx-kvlingo` command."""
+
 import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-app = typer.Typer(help="Translate KV caches between mlx-lm models.", no_args_is_help=True)
+from mlx_kvlingo.errors import KvlingoError
+
+app = typer.Typer(
+    help="Translate KV caches between mlx-lm models, so a conversation can switch "
+    "models without re-prefilling its context.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _fail(message: str):
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(1)
+
+
+def _run(fn):
+    """Turn the package's own errors into a one-line message and exit status 1."""
+    try:
+        return fn()
+    except KvlingoError as e:
+        _fail(str(e))
+
+
+# ---------------------------------------------------------------------------
+# inspect
 
 
 @app.command()
-def inspect():
-    """placeholder"""
+def inspect(
+    model: Optional[str] = typer.Argument(None, help="Also describe this model's cache."),
+    gemm_size: int = typer.Option(1024, help="Matrix size for the GEMM measurement."),
+):
+    """Report the device, the BLAS in use and a measured fp32 GEMM rate."""
+    import mlx.core as mx
+
+    from mlx_kvlingo import blas
+
+    typer.echo(f"platform      {platform.system()} {platform.machine()}")
+    typer.echo(f"mlx           {mx.__version__}, default device {mx.default_device()}")
+    typer.echo(f"BLAS preload  {blas.preload_status}")
+    libs = blas.blas_libraries()
+    if libs:
+        typer.echo("BLAS mapped   " + "\n              ".join(libs))
+    mlx_rate, np_rate = blas.measure_gemm_gflops(gemm_size)
+    typer.echo(
+        f"fp32 GEMM     mlx {mlx_rate:.1f} GFLOP/s, numpy {np_rate:.1f} GFLOP/s "
+        f"(mlx/numpy {mlx_rate / np_rate:.2f}) at {gemm_size}x{gemm_size}"
+    )
+    if platform.system() == "Linux" and mlx_rate < np_rate / 2:
+        typer.secho(
+            "warning: MLX's CPU matmuls run at less than half numpy's rate; install "
+            "OpenBLAS (apt-get install libopenblas0-pthread) and import mlx_kvlingo "
+            "before mlx.core.",
+            fg="yellow",
+        )
+    if model:
+        _run(lambda: _describe_model(model))
+
+
+def _describe_model(path: str):
+    from mlx_kvlingo.models import cache_geometry, load
+
+    m, _ = load(path)
+    g = cache_geometry(m)
+    typer.echo(f"\n{path}: {g.model_type}, {g.n_layers} layers, cache dtype {g.dtype}, "
+               f"fingerprint {g.fingerprint()}")
+    typer.echo(f"{'layer':>5} {'kv heads':>8} {'head_dim':>8} {'window':>7}  rope")
+    for i, lg in enumerate(g.layers):
+        typer.echo(f"{i:>5} {lg.n_kv_heads:>8} {lg.head_dim:>8} {str(lg.window or '-'):>7}  "
+                   f"{lg.rope['class']} {json.dumps({k: v for k, v in lg.rope.items() if k != 'class'})}")
+
+
+# ---------------------------------------------------------------------------
+# fit
+
+
+def _load_pair(source: str, target: str):
+    from mlx_kvlingo.models import load
+
+    typer.echo(f"Loading {source} and {target} ...")
+    src, src_tok = load(source)
+    tgt, tgt_tok = load(target)
+    return src, src_tok, tgt, tgt_tok
+
+
+def _require_shared_tokenizer(src_tok, tgt_tok):
+    from mlx_kvlingo.models import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(src_tok) != tokenizer_fingerprint(tgt_tok):
+        raise KvlingoError(
+            "The two models have different tokenizers. This version translates only "
+            "between models that share a tokenizer (same vocabulary)."
+        )
+
+
+def _corpus_stream(corpus: str, tokenizer, split: str):
+    from mlx_kvlingo import data
+
+    if corpus == "stdlib":
+        docs = data.stdlib_documents()
+    else:
+        p = Path(corpus)
+        if not p.is_file():
+            raise KvlingoError(f"Corpus {corpus!r} is neither 'stdlib' nor a text file.")
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise KvlingoError(f"Corpus file {p} is empty.")
+        docs = [(f"{p.name}#{i}", part) for i, part in enumerate(text.split("\n\n\n"))]
+    train, heldout = data.split_documents(docs)
+    chosen = train if split == "train" else heldout
+    if not chosen:
+        chosen = docs  # a single-document corpus: no split is possible
+    return data.token_stream(tokenizer, chosen)
+
+
+def fit_translator_cli(
+    src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
+    sources_per_layer, native_prefix,
+):
+    """Stage 1 with a progress bar; returns (translator, report)."""
+    from mlx_kvlingo import data
+    from mlx_kvlingo.fit import fit_stage1
+    from mlx_kvlingo.translator import Translator
+
+    _require_shared_tokenizer(src_tok, tgt_tok)
+    translator = Translator.for_models(
+        src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
+        native_prefix=native_prefix,
+    )
+    stream = _corpus_stream(corpus, src_tok, "train")
+    windows = max(tokens // context_len, 1)
+    batches = data.token_windows(stream, context_len, batch_size, windows)
+    total = min(windows, len(stream) // context_len) * (context_len - native_prefix)
+    with typer.progressbar(length=total, label="Fitting (stage 1)") as bar:
+        report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
+    translator.spec.training["corpus"] = corpus
+    return translator, report
+
+
+@app.command()
+def fit(
+    source: str = typer.Option(..., help="Source model: local path or hub id."),
+    target: str = typer.Option(..., help="Target model: local path or hub id."),
+    out: Path = typer.Option(..., help="Translator file to write (.safetensors)."),
+    corpus: str = typer.Option("stdlib", help="'stdlib' (built in) or a UTF-8 text file."),
+    tokens: int = typer.Option(200_000, help="Token positions to fit on."),
+    context_len: int = typer.Option(256, help="Window length in tokens."),
+    batch_size: int = typer.Option(8),
+    ridge: float = typer.Option(1e-3, help="Ridge strength, relative to mean eigenvalue."),
+    sources_per_layer: int = typer.Option(1, help="Source layers concatenated per map."),
+    native_prefix: int = typer.Option(1, help="First tokens the target computes itself."),
+):
+    """Stage 1: fit a translator in closed form and write it to OUT."""
+
+    def go():
+        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        translator, report = fit_translator_cli(
+            src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
+            sources_per_layer, native_prefix,
+        )
+        translator.save(out)
+        r = report.to_dict()
+        typer.echo(
+            f"Fitted on {r['tokens']} positions in {r['seconds']:.1f}s: mean R² keys "
+            f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}. Wrote {out}"
+        )
+
+    _run(go)
+
+
+# ---------------------------------------------------------------------------
+# switch
+
+
+def _prompt_tokens(tokenizer, prompt: str, raw: bool):
+    if not prompt.strip():
+        raise KvlingoError("The prompt is empty.")
+    if not raw and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    return tokenizer.encode(prompt)
+
+
+def _first_token_time(responses):
+    """Consume a stream_generate iterator; return (seconds to first token, tokens, text)."""
+    t0 = time.perf_counter()
+    first, toks, text = None, [], ""
+    for r in responses:
+        if first is None:
+            first = time.perf_counter() - t0
+        toks.append(r.token)
+        text += r.text
+    return first, toks, text
+
+
+def run_switch(src, tgt, tgt_tok, translator, tokens, max_tokens, compare, repeats=1):
+    """Switch ``tokens`` from src to tgt and generate; optionally re-prefill too.
+
+    Returns a dict of timings (medians over ``repeats``) and the answers.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    from mlx_kvlingo.models import prefill
+    from mlx_kvlingo.switch import generate_after_switch, switch
+
+    tokens = mx.array(tokens)
+    # The source has read the context during its turn: its cache is given, not timed.
+    source_cache = prefill(src, tokens[None, :-1])
+    mx.eval([(c.keys, c.values) for c in source_cache])
+    switch_times, translate_times, prefill_times = [], [], []
+    for _ in range(repeats):
+        result = switch(src, tgt, translator, tokens, source_cache=source_cache)
+        first, sw_tokens, sw_text = _first_token_time(
+            generate_after_switch(tgt, tgt_tok, result, max_tokens=max_tokens)
+        )
+        translate_times.append(result.translate_s)
+        switch_times.append(result.translate_s + first)
+        if compare:
+            first, pf_tokens, pf_text = _first_token_time(
+                stream_generate(tgt, tgt_tok, tokens, max_tokens=max_tokens)
+            )
+            prefill_times.append(first)
+    out = {
+        "context_tokens": int(tokens.size),
+        "translate_s": statistics.median(translate_times),
+        "switch_ttft_s": statistics.median(switch_times),
+        "switch_answer": sw_text,
+        "switch_tokens": sw_tokens,
+    }
+    if compare:
+        same = sum(a == b for a, b in zip(sw_tokens, pf_tokens))
+        out.update(
+            prefill_ttft_s=statistics.median(prefill_times),
+            prefill_answer=pf_text,
+            prefill_tokens=pf_tokens,
+            ratio=statistics.median(prefill_times) / statistics.median(switch_times),
+            agreeing_prefix=next(
+                (i for i, (a, b) in enumerate(zip(sw_tokens, pf_tokens)) if a != b),
+                min(len(sw_tokens), len(pf_tokens)),
+            ),
+            same_tokens=same,
+        )
+    return out
+
+
+@app.command("switch")
+def switch_cmd(
+    source: str = typer.Option(..., help="Model that reads the context."),
+    target: str = typer.Option(..., help="Model that answers."),
+    translator: Path = typer.Option(..., help="Translator file for source -> target."),
+    prompt: Optional[str] = typer.Option(None, help="The context / question."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
+    max_tokens: int = typer.Option(64),
+    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    compare: bool = typer.Option(False, help="Also re-prefill the target and compare."),
+):
+    """The source reads the prompt, its cache is translated, the target answers."""
+    from mlx_kvlingo.translator import load_translator
+
+    def go():
+        if (prompt is None) == (prompt_file is None):
+            raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
+        text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+        t = load_translator(translator)
+        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        t.check_models(src, tgt, src_tok, tgt_tok)
+        tokens = _prompt_tokens(src_tok, text, raw)
+        if len(tokens) < 2:
+            raise KvlingoError("The prompt must be at least 2 tokens long.")
+        r = run_switch(src, tgt, tgt_tok, t, tokens, max_tokens, compare)
+        typer.echo(f"--- target after switch ({r['context_tokens']} context tokens) ---")
+        typer.echo(r["switch_answer"])
+        typer.echo(f"--- time to first token after switch: {r['switch_ttft_s'] * 1e3:.1f} ms "
+                   f"(translate {r['translate_s'] * 1e3:.1f} ms)")
+        if compare:
+            typer.echo("--- target after re-prefill ---")
+            typer.echo(r["prefill_answer"])
+            typer.echo(f"--- time to first token after re-prefill: {r['prefill_ttft_s'] * 1e3:.1f} ms; "
+                       f"switch is {r['ratio']:.1f}x faster; answers agree on the first "
+                       f"{r['agreeing_prefix']} of {len(r['switch_tokens'])} tokens")
+
+    _run(go)
+
+
+# ---------------------------------------------------------------------------
+# demo
+
+
+@app.command()
+def demo(
+    context: int = typer.Option(512, help="Context length for the switch."),
+    fit_tokens: int = typer.Option(100_000, help="Positions for the stage-1 fit."),
+    repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where the demo pair is kept."),
+):
+    """Offline end to end on the built-in pair: fit, evaluate, switch vs re-prefill."""
+    from mlx_kvlingo import data, toy
+    from mlx_kvlingo.evaluate import evaluate_translator, format_table
+    from mlx_kvlingo.models import load
+
+    def go():
+        src_dir, tgt_dir = toy.ensure_toy_pair(cache_dir, log=typer.echo)
+        src, src_tok = load(src_dir)
+        tgt, tgt_tok = load(tgt_dir)
+        typer.echo(f"Source: {src_dir} ({src.model_type}, {len(src.layers)} layers); "
+                   f"target: {tgt_dir} ({tgt.model_type}, {len(tgt.layers)} layers)")
+        translator, report = fit_translator_cli(
+            src, src_tok, tgt, tgt_tok, "stdlib", fit_tokens, 256, 8, 1e-3, 1, 1
+        )
+        r = report.to_dict()
+        typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: "
+                   f"mean R² keys {r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
+        heldout = _corpus_stream("stdlib", src_tok, "heldout")
+        fidelity = evaluate_translator(
+            src, tgt, translator, data.token_windows(heldout, 256 + 64, 8, 32), 256
+        )
+        typer.echo("\nFidelity on held-out docstrings (target's continuation, per token):")
+        typer.echo(format_table([fidelity]))
+        tokens = heldout[:context]
+        res = run_switch(src, tgt, tgt_tok, translator, tokens, 16, True, repeats)
+        typer.echo(
+            f"\nSwitch of a {res['context_tokens']}-token context, median of {repeats}: "
+            f"translate + first token {res['switch_ttft_s'] * 1e3:.1f} ms "
+            f"(translate {res['translate_s'] * 1e3:.1f} ms) vs re-prefill "
+            f"{res['prefill_ttft_s'] * 1e3:.1f} ms: {res['ratio']:.1f}x faster"
+        )
+        typer.echo(f"Greedy answers agree on {res['agreeing_prefix']} of "
+                   f"{len(res['switch_tokens'])} tokens:")
+        typer.echo(f"  after switch:     {res['switch_answer']!r}")
+        typer.echo(f"  after re-prefill: {res['prefill_answer']!r}")
+
+    _run(go)
+
+
+if __name__ == "__main__":
+    app()

@@ -166,22 +166,41 @@ def save_model_dir(model, config: dict, tokenizer_dir: Path, out_dir: Path):
     os.replace(tmp, out_dir)
 
 
+ASSET_DIR = Path(__file__).parent / "assets" / "toy_pair"
+
+
 def ensure_toy_pair(
     cache_dir: Optional[Path] = None,
-    steps: int = 600,
+    rebuild: bool = False,
+    steps: int = 800,
     log: Optional[Callable[[str], None]] = print,
 ):
-    """Paths (source_dir, target_dir) of the trained toy pair, building it if needed.
+    """Paths (source_dir, target_dir) of the built-in pair.
 
-    A pair trained with a different number of steps is rebuilt.
+    The package ships a trained pair; ``rebuild=True`` trains one from scratch into
+    ``cache_dir`` (kept there for the next call).
     """
-    cache_dir = Path(cache_dir or default_cache_dir()) / f"toy-pair-{steps}"
-    src_dir, tgt_dir = cache_dir / "source", cache_dir / "target"
-    if (src_dir / "model.safetensors").exists() and (tgt_dir / "model.safetensors").exists():
-        return src_dir, tgt_dir
+    shipped = ASSET_DIR / "source", ASSET_DIR / "target"
+    if not rebuild and all((d / "model.safetensors").exists() for d in shipped):
+        return shipped
+    out = Path(cache_dir or default_cache_dir()) / f"toy-pair-{steps}"
+    return build_toy_pair(out, steps, log=log)
+
+
+def build_toy_pair(
+    out: Path,
+    steps: int = 800,
+    save_dtype=mx.float16,
+    log: Optional[Callable[[str], None]] = print,
+):
+    """Train the tokenizer and both models into ``out``/{tokenizer,source,target}.
+
+    Parts already there are reused, so an interrupted build resumes per model.
+    """
+    src_dir, tgt_dir = out / "source", out / "target"
     log = log or (lambda s: None)
     train_docs, _ = split_documents(stdlib_documents())
-    tok_dir = cache_dir / "tokenizer"
+    tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         log("Training a byte-level BPE tokenizer on the standard library's docstrings ...")
         build_tokenizer(train_docs, tok_dir)
@@ -195,5 +214,6 @@ def ensure_toy_pair(
             f"{config['num_hidden_layers']} layers) for {steps} steps ...")
         model = _build_model(config, seed=seed)
         train_language_model(model, stream, steps, seed=seed, log=log)
+        model.set_dtype(save_dtype)
         save_model_dir(model, config, tok_dir, out_dir)
     return src_dir, tgt_dir

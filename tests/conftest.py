@@ -8,3 +8,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(__file__))  # for `tiny`
 
 import mlx_kvlingo  # noqa: E402,F401  (first: fast BLAS before mlx.core)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_pair_dirs():
+    """(source_dir, target_dir) of the built-in demo pair shipped with the package."""
+    from mlx_kvlingo import toy
+
+    return toy.ensure_toy_pair(log=None)
+
+
+@pytest.fixture(scope="session")
+def toy_pair(toy_pair_dirs):
+    """(source, source_tokenizer, target, target_tokenizer), loaded in float32."""
+    from mlx_kvlingo.models import load
+
+    src, stok = load(toy_pair_dirs[0])
+    tgt, ttok = load(toy_pair_dirs[1])
+    return src, stok, tgt, ttok

@@ -34,8 +34,8 @@ from tiny import CONFIGS, tiny_model
 
 ARCHS = list(CONFIGS)
 
-# Un-rotated K/V features of a cache (renamed from content_features to cache_features).
-content_features = getattr(kv_models, "cache_features", None) or kv_models.content_features
+# Un-rotated K/V features of a cache.
+content_features = kv_models.cache_features
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,107 @@
+"""Each `mlx-kvlingo` command, run end to end as a user runs it (a subprocess)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mlx_kvlingo.translator import load_translator
+
+
+def run_cli(*args, check=True, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvlingo_cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_help_lists_the_commands():
+    out = run_cli("--help").stdout
+    for command in ("inspect", "fit", "switch", "demo"):
+        assert re.search(rf"\b{command}\b", out), command
+
+
+def test_inspect_reports_blas_and_gemm_rate():
+    out = run_cli("inspect", "--gemm-size", "256").stdout
+    assert "BLAS preload" in out
+    rates = re.search(r"mlx ([\d.]+) GFLOP/s, numpy ([\d.]+) GFLOP/s", out)
+    assert rates and float(rates.group(1)) > 0 and float(rates.group(2)) > 0
+
+
+def test_inspect_describes_a_model(toy_pair_dirs):
+    out = run_cli("inspect", toy_pair_dirs[1], "--gemm-size", "128").stdout
+    assert "llama, 6 layers" in out
+    assert re.search(r"^\s+5\s+3\s+24\s+-\s+RoPE", out, re.M)
+
+
+@pytest.fixture(scope="module")
+def fitted_translator(toy_pair_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit") / "toy.safetensors"
+    src, tgt = toy_pair_dirs
+    proc = run_cli("fit", "--source", src, "--target", tgt, "--out", out,
+                   "--tokens", "6000", "--context-len", "128")
+    assert "Wrote" in proc.stdout
+    return out
+
+
+def test_fit_writes_a_translator_for_the_pair(fitted_translator, toy_pair_dirs):
+    t = load_translator(fitted_translator)
+    assert t.spec.training["stage"] == 1
+    assert t.spec.training["fit"]["tokens"] >= 5000
+    assert t.spec.source.name == str(toy_pair_dirs[0])
+    assert len(t.k_maps) == 6
+
+
+def test_switch_compare_reports_both_times(fitted_translator, toy_pair_dirs):
+    src, tgt = toy_pair_dirs
+    proc = run_cli("switch", "--source", src, "--target", tgt, "--translator",
+                   fitted_translator, "--prompt", "Return the number of items in the list.",
+                   "--max-tokens", "8", "--compare")
+    out = proc.stdout
+    assert "time to first token after switch" in out
+    assert re.search(r"switch is [\d.]+x faster", out)
+
+
+def test_switch_refuses_a_translator_for_other_models(fitted_translator, toy_pair_dirs):
+    src, tgt = toy_pair_dirs
+    # Swapped roles: geometry differs, so the translator must be refused.
+    proc = run_cli("switch", "--source", tgt, "--target", src, "--translator",
+                   fitted_translator, "--prompt", "hello there", check=False)
+    assert proc.returncode == 1
+    assert "does not fit" in proc.stderr and "layers" in proc.stderr
+
+
+def test_switch_rejects_damaged_translator_and_empty_prompt(tmp_path, toy_pair_dirs):
+    src, tgt = toy_pair_dirs
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 5)
+    proc = run_cli("switch", "--source", src, "--target", tgt, "--translator", bad,
+                   "--prompt", "hi", check=False)
+    assert proc.returncode == 1 and "truncated" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_fit_with_a_missing_model_fails_clearly(tmp_path):
+    out = tmp_path / "t.safetensors"
+    proc = run_cli("fit", "--source", tmp_path / "nope", "--target", tmp_path / "nope",
+                   "--out", out, check=False)
+    assert proc.returncode == 1
+    assert "Could not load model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_demo_runs_offline_and_prints_the_ratio():
+    proc = run_cli("demo", "--context", "256", "--fit-tokens", "8000", "--repeats", "1")
+    out = proc.stdout
+    assert re.search(r"re-prefill [\d.]+ ms: [\d.]+x faster", out)
+    assert "Fidelity on held-out" in out and "KL" in out

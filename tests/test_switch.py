@@ -1,0 +1,70 @@
+"""Switching with mlx-lm's own generation loop, on the built-in pair."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models import cache_length, prefill
+from mlx_kvlingo.switch import generate_after_switch, switch
+from mlx_kvlingo.translator import Translator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def identity_translator(model, tokenizer):
+    t = Translator.for_models(model, model, tokenizer, tokenizer)
+    for m in t.k_maps + t.v_maps:
+        m.weight = mx.eye(m.weight.shape[0])
+    return t
+
+
+def test_stream_generate_after_exact_switch_equals_full_prefill(toy_pair):
+    _, _, tgt, tok = toy_pair
+    t = identity_translator(tgt, tok)
+    tokens = tok.encode("Return the sum of the items of the iterable, or start if empty.")
+    result = switch(tgt, tgt, t, tokens)
+    assert cache_length(result.cache) == len(tokens) - 1
+    assert result.last_token.tolist() == tokens[-1:]
+    switched = [r.token for r in generate_after_switch(tgt, tok, result, max_tokens=12)]
+    native = [r.token for r in stream_generate(tgt, tok, mx.array(tokens), max_tokens=12)]
+    assert switched == native and len(native) == 12
+
+
+def test_switch_uses_the_given_source_cache(toy_pair):
+    """The live source cache is what gets translated: a cache of other text changes
+    the answer."""
+    _, _, tgt, tok = toy_pair
+    t = identity_translator(tgt, tok)
+    tokens = mx.array(tok.encode("Open the file and return a stream; raise OSError on failure."))
+    other = mx.array(tok.encode("A frozen set of hashable items, built from an iterable ok."))
+    n = min(tokens.size, other.size)
+    tokens, other = tokens[:n], other[:n]
+    own = switch(tgt, tgt, t, tokens, source_cache=prefill(tgt, tokens[None, :-1]))
+    wrong = switch(tgt, tgt, t, tokens, source_cache=prefill(tgt, other[None, :-1]))
+    a = tgt(own.last_token[None], cache=own.cache)
+    b = tgt(wrong.last_token[None], cache=wrong.cache)
+    assert mx.abs(a - b).max().item() > 1e-2
+
+
+def test_switch_rejects_bad_input(toy_pair):
+    src, stok, tgt, ttok = toy_pair
+    t = Translator.for_models(src, tgt, stok, ttok)
+    with pytest.raises(KvlingoError, match="at least 2 tokens"):
+        switch(src, tgt, t, [5])
+    with pytest.raises(KvlingoError, match="holds 3 tokens"):
+        switch(src, tgt, t, list(range(10, 20)), source_cache=prefill(src, mx.array([[1, 2, 3]])))
+
+
+@pytest.mark.slow
+def test_example_script_runs():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "switch_models.py")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "translated" in proc.stdout and "Return a new list" in proc.stdout
