@@ -303,8 +303,8 @@ def switch_cmd(
 
 @app.command()
 def demo(
-    context: int = typer.Option(512, help="Context length for the switch."),
-    fit_tokens: int = typer.Option(100_000, help="Positions for the stage-1 fit."),
+    context: int = typer.Option(256, help="Context length for the switch (the built-in pair was trained on 256)."),
+    fit_tokens: int = typer.Option(50_000, help="Positions for the stage-1 fit."),
     repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Where the demo pair is kept."),
 ):

@@ -19,8 +19,15 @@ from .translator import Translator
 
 
 def _as_batch(tokens) -> mx.array:
+    """Token ids as [B, T]; a context needs at least 2 tokens (one to translate, one
+    for the target's own step)."""
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
-    return tokens[None] if tokens.ndim == 1 else tokens
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise KvlingoError(
+            f"A context needs at least 2 tokens to switch; got shape {tuple(tokens.shape)}."
+        )
+    return tokens
 
 
 def translate_cache(
@@ -40,8 +47,8 @@ def translate_cache(
     """
     tokens = _as_batch(tokens)
     length = tokens.shape[1] - 1 if length is None else length
-    if length < 1:
-        raise KvlingoError("Nothing to translate: the context needs at least 2 tokens.")
+    if not 1 <= length <= tokens.shape[1]:
+        raise KvlingoError(f"Cannot translate {length} of {tokens.shape[1]} tokens.")
     if cache_length(source_cache) < length:
         raise KvlingoError(
             f"The source cache holds {cache_length(source_cache)} tokens; "
