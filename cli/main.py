@@ -21,6 +21,10 @@ app = typer.Typer(
 )
 
 
+CORPUS_HELP = ("'stdlib' (built in, offline), a .txt/.jsonl file or directory, "
+               "or hf:OWNER/NAME (a hub dataset).")
+
+
 def _fail(message: str):
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(1)
@@ -32,6 +36,8 @@ def _run(fn):
         return fn()
     except KvlingoError as e:
         _fail(str(e))
+    except OSError as e:  # unwritable output, full disk, ...
+        _fail(f"{type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------------------
@@ -107,22 +113,17 @@ def _require_shared_tokenizer(src_tok, tgt_tok):
 
 
 def _corpus_stream(corpus: str, tokenizer, split: str):
+    """The corpus's training or held-out documents, tokenized into one stream."""
     from mlx_kvlingo import data
 
-    if corpus == "stdlib":
-        docs = data.stdlib_documents()
-    else:
-        p = Path(corpus)
-        if not p.is_file():
-            raise KvlingoError(f"Corpus {corpus!r} is neither 'stdlib' nor a text file.")
-        text = p.read_text(encoding="utf-8", errors="replace")
-        if not text.strip():
-            raise KvlingoError(f"Corpus file {p} is empty.")
-        docs = [(f"{p.name}#{i}", part) for i, part in enumerate(text.split("\n\n\n"))]
+    docs = data.read_corpus(corpus, tokenizer)
     train, heldout = data.split_documents(docs)
     chosen = train if split == "train" else heldout
-    if not chosen:
-        chosen = docs  # a single-document corpus: no split is possible
+    if not chosen or not (train and heldout):
+        raise KvlingoError(
+            f"Corpus {corpus!r} has {len(docs)} document(s): too few to hold some out "
+            "for evaluation. Give more text."
+        )
     return data.token_stream(tokenizer, chosen)
 
 
@@ -155,7 +156,7 @@ def fit(
     source: str = typer.Option(..., help="Source model: local path or hub id."),
     target: str = typer.Option(..., help="Target model: local path or hub id."),
     out: Path = typer.Option(..., help="Translator file to write (.safetensors)."),
-    corpus: str = typer.Option("stdlib", help="'stdlib' (built in) or a UTF-8 text file."),
+    corpus: str = typer.Option("stdlib", help=CORPUS_HELP),
     tokens: int = typer.Option(200_000, help="Token positions to fit on."),
     context_len: int = typer.Option(256, help="Window length in tokens."),
     batch_size: int = typer.Option(8),
@@ -179,6 +180,160 @@ def fit(
         )
 
     _run(go)
+
+
+# ---------------------------------------------------------------------------
+# train and eval
+
+
+def _int_list(text: str) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 2:
+        raise KvlingoError(f"Expected comma-separated lengths >= 2, got {text!r}.")
+    return values
+
+
+def _print_progress(record: dict):
+    if "eval" in record:
+        e = record["eval"]
+        typer.echo(
+            f"  eval @ step {record['step']}: KL {e['kl']:.4f} (no context {e['kl_none']:.4f}), "
+            f"top-1 {e['top1']:.1%}, CBR {e['cbr']:.1%}"
+            + ("" if e["cbr_meaningful"] else " (context benefit small: CBR noisy)")
+        )
+    elif record["step"] % 10 == 0 or not record["applied"]:
+        skipped = "" if record["applied"] else "  SKIPPED (non-finite loss)"
+        typer.echo(
+            f"  step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+            f"{record['tokens_per_s']:.0f} tok/s{skipped}"
+        )
+
+
+@app.command()
+def train(
+    source: str = typer.Option(..., help="Source model: local path or hub id."),
+    target: str = typer.Option(..., help="Target model: local path or hub id."),
+    out: Path = typer.Option(..., help="Translator file to write; logs and checkpoints go beside it."),
+    stage: str = typer.Option("both", help="1 (closed form), 2 (distillation) or both."),
+    init: Optional[Path] = typer.Option(None, help="Stage 2 only: translator to start from (default OUT)."),
+    corpus: str = typer.Option("stdlib", help=CORPUS_HELP),
+    fit_tokens: int = typer.Option(200_000, help="Stage 1: token positions to fit on."),
+    ridge: float = typer.Option(1e-3),
+    sources_per_layer: int = typer.Option(1),
+    native_prefix: int = typer.Option(1, help="First tokens the target computes itself (0 = off)."),
+    steps: int = typer.Option(500, help="Stage 2: optimizer steps."),
+    lr: float = typer.Option(1e-4, help="Stage 2: peak learning rate (AdamW)."),
+    warmup: float = typer.Option(0.05, help="Fraction of steps of linear warmup."),
+    batch_size: int = typer.Option(4, help="Sequences per micro-batch."),
+    accumulate: int = typer.Option(2, help="Micro-batches per optimizer step."),
+    rank: int = typer.Option(0, help="0: train the full maps; >0: frozen maps + low-rank correction."),
+    context_lengths: str = typer.Option("128,256", help="Context-length buckets, comma-separated."),
+    continuation_len: int = typer.Option(64),
+    eval_every: int = typer.Option(50),
+    checkpoint_every: int = typer.Option(50),
+    seed: int = typer.Option(0),
+    resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
+):
+    """Train a translator: stage 1 (closed form) then stage 2 (distillation)."""
+    from mlx_kvlingo.distill import DistillConfig
+    from mlx_kvlingo.train import RunConfig
+    from mlx_kvlingo.train import train as run_training
+    from mlx_kvlingo.translator import load_translator
+
+    def go():
+        if stage not in ("1", "2", "both"):
+            raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
+        config = RunConfig(
+            DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
+                          accumulate=accumulate, rank=rank, seed=seed),
+            context_lengths=tuple(_int_list(context_lengths)),
+            continuation_len=continuation_len,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+        )
+        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        translator = None
+        if stage in ("1", "both") and not resume:
+            translator, report = fit_translator_cli(
+                src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
+                8, ridge, sources_per_layer, native_prefix,
+            )
+            r = report.to_dict()
+            typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
+                       f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
+            translator.save(out)
+            if stage == "1":
+                typer.echo(f"Wrote {out}")
+                return
+        elif not resume:
+            translator = load_translator(init or out)
+            translator.check_models(src, tgt, src_tok, tgt_tok)
+        _require_shared_tokenizer(src_tok, tgt_tok)
+        train_stream = _corpus_stream(corpus, src_tok, "train")
+        heldout_stream = _corpus_stream(corpus, src_tok, "heldout")
+        typer.echo(f"Stage 2: {steps} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
+                   + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
+        summary = run_training(src, tgt, translator, train_stream, heldout_stream, out,
+                               config, resume=resume, progress=_print_progress)
+        if summary["stopped"]:
+            typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
+                       "Run the same command with --resume to continue.")
+            raise typer.Exit(130)
+        typer.echo(f"Done: {summary['steps']} steps in {summary['seconds']:.0f}s "
+                   f"({summary['skipped']} skipped). Wrote {out}, log and plot beside it.")
+
+    _run(go)
+
+
+@app.command("eval")
+def eval_cmd(
+    source: str = typer.Option(..., help="Source model."),
+    target: str = typer.Option(..., help="Target model."),
+    translator: Path = typer.Option(..., help="Translator file."),
+    corpus: str = typer.Option("stdlib", help=CORPUS_HELP + " Its held-out split is used."),
+    context_lengths: str = typer.Option("128,256", help="Comma-separated context lengths."),
+    continuation_len: int = typer.Option(64),
+    windows: int = typer.Option(32, help="Held-out windows per context length."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+):
+    """Measure a translator on held-out text: NLLs, CBR, KL, top-1."""
+    from mlx_kvlingo import data
+    from mlx_kvlingo.evaluate import evaluate_translator, format_table
+    from mlx_kvlingo.translator import load_translator
+
+    def go():
+        lengths = _int_list(context_lengths)
+        t = load_translator(translator)
+        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        t.check_models(src, tgt, src_tok, tgt_tok)
+        _require_shared_tokenizer(src_tok, tgt_tok)
+        heldout = _corpus_stream(corpus, src_tok, "heldout")
+        rows = []
+        for c in lengths:
+            w = data.token_windows(heldout, c + continuation_len, 8, windows, seed=1)
+            rows.append(evaluate_translator(src, tgt, t, w, c))
+        typer.echo(format_table(rows))
+        if json_out:
+            result = {
+                "source": source, "target": target, "translator": str(translator),
+                "corpus": corpus, "training": t.spec.training,
+                "results": {str(r.context_len): r.to_dict() for r in rows},
+            }
+            _write_json(json_out, result)
+            typer.echo(f"Wrote {json_out}")
+
+    _run(go)
+
+
+def _write_json(path: Path, obj):
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------
@@ -346,6 +501,10 @@ def demo(
 
     _run(go)
 
+
+from mlx_kvlingo_cli.fetch_cmd import register as _register_fetch  # noqa: E402
+
+_register_fetch(app)
 
 if __name__ == "__main__":
     app()

@@ -84,3 +84,135 @@ def token_windows(
     starts = starts[:max_windows]
     for b in range(0, len(starts), batch_size):
         yield mx.array([stream[s : s + length] for s in starts[b : b + batch_size]])
+
+
+# ---------------------------------------------------------------------------
+# Corpora from files and the hub
+
+CORPUS_SUFFIXES = (".txt", ".jsonl")
+_DOC_CHARS = 4000  # plain text is grouped into documents of about this size
+
+
+def read_corpus(spec: str, tokenizer=None) -> List[Document]:
+    """Documents from ``spec``: ``stdlib`` (built in), a ``.txt`` / ``.jsonl`` file, a
+    directory of them, or ``hf:OWNER/NAME`` (a dataset repo on the hub, fetched
+    with huggingface-hub into its cache; honours ``HF_HUB_OFFLINE``).
+
+    ``.jsonl`` lines hold ``{"text": ...}`` or ``{"messages": [{"role", "content"}]}``;
+    chat messages are rendered with ``tokenizer``'s chat template when it has one.
+    """
+    if spec == "stdlib":
+        return stdlib_documents()
+    if spec.startswith("hf:"):
+        return _read_files(_hub_dataset_files(spec[3:]), tokenizer)
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in CORPUS_SUFFIXES)
+        if not files:
+            raise KvlingoError(f"No .txt or .jsonl files in {path}.")
+        return _read_files(files, tokenizer)
+    if path.is_file():
+        return _read_files([path], tokenizer)
+    raise KvlingoError(
+        f"Corpus {spec!r} is not 'stdlib', an existing file or directory, or hf:OWNER/NAME."
+    )
+
+
+def _hub_dataset_files(repo_id: str) -> List[Path]:
+    from huggingface_hub import snapshot_download
+
+    try:
+        root = snapshot_download(
+            repo_id, repo_type="dataset", allow_patterns=["*.txt", "*.jsonl"]
+        )
+    except Exception as e:
+        raise KvlingoError(
+            f"Could not get dataset {repo_id!r} from the hub ({type(e).__name__}: {e}). "
+            "Offline (HF_HUB_OFFLINE=1) only datasets already in the hub cache work."
+        ) from e
+    files = sorted(p for p in Path(root).rglob("*") if p.suffix in CORPUS_SUFFIXES)
+    if not files:
+        raise KvlingoError(f"Dataset {repo_id!r} has no .txt or .jsonl files.")
+    return files
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if b"\x00" in raw[:8192]:
+        raise KvlingoError(f"{path} looks binary (NUL bytes); expected UTF-8 text.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KvlingoError(f"{path} is not UTF-8 text ({e}).") from e
+    if not text.strip():
+        raise KvlingoError(f"{path} is empty.")
+    return text
+
+
+def _read_files(files: Sequence[Path], tokenizer) -> List[Document]:
+    docs: List[Document] = []
+    for path in files:
+        text = _read_text(path)
+        if path.suffix == ".jsonl":
+            docs += _jsonl_documents(path, text, tokenizer)
+        else:
+            docs += _text_documents(path, text)
+    return docs
+
+
+def _text_documents(path: Path, text: str) -> List[Document]:
+    """Consecutive paragraphs grouped into documents of about _DOC_CHARS."""
+    docs, buf = [], ""
+    for para in text.split("\n\n"):
+        buf = f"{buf}\n\n{para}" if buf else para
+        if len(buf) >= _DOC_CHARS:
+            docs.append((f"{path.name}#{len(docs)}", buf))
+            buf = ""
+    if buf.strip():
+        docs.append((f"{path.name}#{len(docs)}", buf))
+    return docs
+
+
+def _jsonl_documents(path: Path, text: str, tokenizer) -> List[Document]:
+    import json
+
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise KvlingoError(f"{path}:{n}: malformed JSON ({e}).") from e
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            docs.append((f"{path.name}:{n}", obj["text"]))
+        elif isinstance(obj, dict) and _is_chat(obj.get("messages")):
+            docs.append((f"{path.name}:{n}", render_chat(obj["messages"], tokenizer)))
+        else:
+            raise KvlingoError(
+                f"{path}:{n}: expected an object with a 'text' string or a 'messages' "
+                "list of {role, content} objects."
+            )
+    if not docs:
+        raise KvlingoError(f"{path} holds no documents.")
+    return docs
+
+
+def _is_chat(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+
+
+def render_chat(messages, tokenizer=None) -> str:
+    """A conversation as text: the tokenizer's chat template, or a plain fallback."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)

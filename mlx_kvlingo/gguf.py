@@ -42,10 +42,17 @@ GROUP_SIZE = 32  # MLX group size every repacked type maps onto
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 
-def _ggml_types():
-    from gguf import GGMLQuantizationType as T
+def _gguf_package():
+    """The `gguf` package (llama.cpp's Python reader), with an install hint if missing."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise KvlingoError("Reading GGUF files needs the `gguf` package: pip install gguf") from e
+    return gguf
 
-    return T
+
+def _ggml_types():
+    return _gguf_package().GGMLQuantizationType
 
 
 # ---------------------------------------------------------------------------
@@ -54,11 +61,12 @@ def _ggml_types():
 
 def read_gguf(path: Union[str, Path]):
     """Open a GGUF file with ``gguf.GGUFReader``; damaged files raise KvlingoError."""
-    from gguf import GGUFReader
-
+    GGUFReader = _gguf_package().GGUFReader
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise KvlingoError(f"GGUF file {path} does not exist.")
+    if not path.is_file():
+        raise KvlingoError(f"{path} is not a file (expected a .gguf file).")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -237,31 +245,29 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
 def repack(data: np.ndarray, qtype, shape: Tuple[int, ...]) -> Union[Affine, np.ndarray]:
     """Convert one tensor's raw GGUF data to an ``Affine`` (repackable types) or a
     float32 array (F32, F16, BF16, Q6_K). ``shape`` is the logical row-major shape."""
-    from gguf import quants
-
-    T = _ggml_types()
+    gguf = _gguf_package()
+    T = gguf.GGMLQuantizationType
     qtype = T(qtype)
     repackers = _repackers()
     if qtype in repackers and len(shape) == 2:
         bits, unpack = repackers[qtype]
-        from gguf.constants import GGML_QUANT_SIZES
-
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
         rows, cols = shape
         blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
         if blocks.shape[0] * block_size != rows * cols:
             raise KvlingoError(f"{qtype.name} data does not match shape {shape}.")
         q, scales, biases = unpack(blocks)
+        groups = (rows, cols // GROUP_SIZE)
         return Affine(
             weight=pack_bits(q.reshape(rows, cols), bits),
-            scales=np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, cols // GROUP_SIZE),
-            biases=np.ascontiguousarray(biases, dtype=np.float32).reshape(rows, cols // GROUP_SIZE),
+            scales=np.ascontiguousarray(scales, dtype=np.float32).reshape(groups),
+            biases=np.ascontiguousarray(biases, dtype=np.float32).reshape(groups),
             bits=bits,
         )
     if qtype == T.F32:
         return np.ascontiguousarray(data).view(np.float32).reshape(shape)
     if qtype in repackers or qtype in _dequantized_types():
-        return quants.dequantize(np.ascontiguousarray(data), qtype).reshape(shape)
+        return gguf.quants.dequantize(np.ascontiguousarray(data), qtype).reshape(shape)
     raise KvlingoError(
         f"GGUF tensor type {qtype.name} is not supported; supported: "
         f"{', '.join(supported_types())}."
@@ -352,7 +358,8 @@ def _rope_scaling(reader, arch) -> Optional[dict]:
     if kind in (None, "none"):
         return None
     if kind == "linear":
-        return {"type": "linear", "factor": _f32_value(_meta(reader, f"{arch}.rope.scaling.factor"))}
+        factor = _f32_value(_meta(reader, f"{arch}.rope.scaling.factor"))
+        return {"type": "linear", "factor": factor}
     raise KvlingoError(f"Rope scaling {kind!r} in a GGUF file is not supported (only linear).")
 
 
@@ -381,7 +388,9 @@ def gguf_config(reader) -> dict:
         raise KvlingoError("Keys and values of different head sizes are not supported.")
     rope_dims = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise KvlingoError(f"Partial rotary embeddings ({rope_dims} of {head_dim}) are not supported.")
+        raise KvlingoError(
+            f"Partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported."
+        )
     config = dict(
         hidden_size=hidden,
         num_hidden_layers=int(_meta(reader, f"{arch}.block_count")),
@@ -424,11 +433,13 @@ def _convert_tensor(tensor, arch: str, config: dict):
     """(mlx name, Affine or float32 array) for one GGUF tensor, conventions undone."""
     name = mlx_name(tensor.name, arch)
     value = repack(tensor.data, tensor.tensor_type, _tensor_shape(tensor))
-    if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-        heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
-        order = _row_order(value.weight.shape[0] if isinstance(value, Affine) else value.shape[0], heads)
+    part = tensor.name.split(".")[-2]
+    if arch == "llama" and part in ("attn_q", "attn_k"):
+        heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+        rows = value.weight.shape[0] if isinstance(value, Affine) else value.shape[0]
+        order = _row_order(rows, heads)
         value = value.take_rows(order) if isinstance(value, Affine) else value[order]
-    if arch == "gemma3" and "norm" in tensor.name.split(".")[-2]:
+    if arch == "gemma3" and part.endswith("norm"):
         value = value - np.float32(1.0)  # GGUF stores w + 1
     return name, value
 
@@ -517,9 +528,11 @@ def gguf_tokenizer(path: Union[str, Path], reader=None):
     """The Hugging Face tokenizer a GGUF file describes (chat template included).
 
     transformers 5's ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` reads the
-    file with a module that needs PyTorch. Where transformers has its GGUF tokenizer
-    builders, they are called here on the metadata ``gguf.GGUFReader`` reads, which
-    needs no PyTorch and gives the same tokenizer; otherwise AutoTokenizer is used.
+    file with modules that need PyTorch. Where transformers has its GGUF tokenizer
+    builders (``integrations.gguf.gguf_tokenizer_mapping``), the same builders are
+    called here on the metadata ``gguf.GGUFReader`` read, with no PyTorch; otherwise
+    AutoTokenizer is used. The tokenizer class is the generic fast tokenizer (Gemma's
+    for sentencepiece Gemma vocabularies): ``tokenizer.json`` carries everything.
     """
     path = Path(path)
     try:
@@ -547,7 +560,7 @@ def gguf_tokenizer(path: Union[str, Path], reader=None):
         tokenizer_config.setdefault("add_bos_token", True)
     for name, key in _SPECIAL_TOKENS.items():
         token_id = metadata.get(f"tokenizer.ggml.{key}")
-        if token_id is not None:
+        if token_id is not None and 0 <= token_id < len(tokenizer_dict["tokens"]):
             tokenizer_config[name] = tokenizer_dict["tokens"][token_id]
     try:
         backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
@@ -646,7 +659,8 @@ def convert_gguf(
         raise KvlingoError(f"{out_dir} already exists (pass overwrite=True to replace it).")
     t0 = time.perf_counter()
     reader = read_gguf(path)
-    log(f"Converting {path.name} ({'float' if dequantize else 'MLX-quantized'} weights) ...")
+    kind = str(dtype).replace("mlx.core.", "") if dequantize else "MLX-quantized"
+    log(f"Converting {path.name} to an mlx-lm directory ({kind} weights) ...")
     config, weights = gguf_weights(reader, dequantize, dtype, log)
     config["gguf_source"] = {
         "file": path.name,

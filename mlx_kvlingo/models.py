@@ -39,6 +39,13 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_lm_load
 
+    if str(path_or_repo).endswith(".gguf"):
+        from .gguf import load_gguf
+
+        model, tokenizer = load_gguf(path_or_repo, dtype=dtype)
+        model.name_or_path = str(path_or_repo)
+        check_supported(model)
+        return model, tokenizer
     on_cpu = mx.default_device() == mx.cpu
     if dtype is None and on_cpu:
         dtype = mx.float32
@@ -151,7 +158,14 @@ def check_supported(model: nn.Module):
 
 
 def cache_geometry(model: nn.Module) -> CacheGeometry:
-    """Describe the KV cache a model builds: per layer heads, head_dim, window, rope."""
+    """Describe the KV cache a model builds: per layer heads, head_dim, window, rope.
+
+    Memoized on the model (it is consulted on every cache build, including inside
+    compiled training steps); dtype is re-read since a model can be cast.
+    """
+    cached = getattr(model, "_kvlingo_geometry", None)
+    if cached is not None and cached.dtype == _dtype_name(cache_dtype(model)):
+        return cached
     check_supported(model)
     layers = []
     for layer, c in zip(model.layers, make_prompt_cache(model)):
@@ -160,11 +174,17 @@ def cache_geometry(model: nn.Module) -> CacheGeometry:
         head_dim = _proj_out_dims(attn.k_proj) // n_kv
         window = c.max_size if isinstance(c, RotatingKVCache) else None
         layers.append(LayerGeometry(n_kv, head_dim, window, describe_rope(attn.rope)))
-    return CacheGeometry(
+    geometry = CacheGeometry(
         model_type=getattr(model, "model_type", type(model).__module__),
-        dtype=str(cache_dtype(model)).replace("mlx.core.", ""),
+        dtype=_dtype_name(cache_dtype(model)),
         layers=tuple(layers),
     )
+    model._kvlingo_geometry = geometry
+    return geometry
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
 
 
 def _proj_out_dims(linear: nn.Module) -> int:
@@ -376,11 +396,11 @@ def build_cache(
         k_start = start + T - k.shape[1]
         k = rerope(model.layers[i].self_attn.rope, _split_heads(k, lg.n_kv_heads), k_start)
         v = _split_heads(v, lg.n_kv_heads)
-        _append(c, k.astype(dtype), v.astype(dtype), start, start + T)
+        append_layer(c, k.astype(dtype), v.astype(dtype), start, start + T)
     return cache
 
 
-def _append(c, keys: mx.array, values: mx.array, start: int, end: int):
+def append_layer(c, keys: mx.array, values: mx.array, start: int, end: int):
     """Append K/V for positions ending at ``end`` to a cache that holds ``start`` tokens."""
     if c.offset != start:
         raise KvlingoError(f"Cache holds {c.offset} tokens, cannot append at {start}.")

@@ -159,6 +159,7 @@ class Translator(nn.Module):
     def save(self, path):
         """Write the translator atomically (temporary file, then rename)."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         arrays = dict(tree_flatten(self.parameters()))
         arrays = {k: v.astype(mx.float32) for k, v in arrays.items()}
         tmp = path.with_name(f".{path.name}.tmp.safetensors")

@@ -1,0 +1,234 @@
+"""Stage 2: distil the maps through the frozen target.
+
+Loss: forward KL(target on its native cache ‖ target on the translated cache) per
+continuation token. The source builds the cache for ``context[:-1]``; the target
+computes its own K/V for the first ``native_prefix`` tokens, processes the
+context's last token itself and then the teacher-forced continuation. Gradients
+reach the maps through the target: the translated cache is built *inside* the
+differentiated function (MLX slice assignment is functional).
+
+Two ways to train (``rank``):
+- ``rank == 0``: every map entry is trained (start from the stage-1 fit);
+- ``rank > 0``: the stage-1 maps stay frozen and a low-rank correction B·A is
+  trained on top (B starts at zero); it is merged into the maps on save, so the
+  translator file format does not change.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+from .models import append_layer, build_cache, prefill, read_layer, token_features
+from .translator import Translator
+
+
+@dataclass
+class DistillConfig:
+    steps: int = 1000
+    lr: float = 1e-4  # 1e-3 diverged on a 30-layer target here (DESIGN §2)
+    warmup: float = 0.05  # fraction of steps
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    batch_size: int = 4  # sequences per micro-batch
+    accumulate: int = 2  # micro-batches per optimizer step
+    rank: int = 0  # 0: train full maps; >0: frozen maps + low-rank correction
+    seed: int = 0
+
+    def schedule(self):
+        warm = max(int(self.steps * self.warmup), 1)
+        return optim.join_schedules(
+            [
+                optim.linear_schedule(self.lr * 1e-3, self.lr, warm),
+                optim.cosine_decay(self.lr, max(self.steps - warm, 1), self.lr * 0.1),
+            ],
+            [warm],
+        )
+
+
+# ---------------------------------------------------------------------------
+# Low-rank correction
+
+
+class LowRankMaps(nn.Module):
+    """Frozen maps plus a trainable low-rank correction per map: W + B A."""
+
+    def __init__(self, translator: Translator, rank: int, seed: int = 0):
+        super().__init__()
+        self.base = translator
+        self.base.freeze()
+        key = mx.random.key(seed)
+        self.a_k, self.b_k, self.a_v, self.b_v = [], [], [], []
+        for km, vm in zip(translator.k_maps, translator.v_maps):
+            for a, b, m in ((self.a_k, self.b_k, km), (self.a_v, self.b_v, vm)):
+                out_dim, in_dim = m.weight.shape
+                key, sub = mx.random.split(key)
+                a.append(mx.random.normal((rank, in_dim), key=sub) / math.sqrt(in_dim))
+                b.append(mx.zeros((out_dim, rank)))
+
+    def __call__(self, keys, values):
+        out_k, out_v = [], []
+        spec = self.base.spec
+        for i, layers in enumerate(spec.layer_map):
+            xk = _concat([keys[j] for j in layers])
+            xv = _concat([values[j] for j in layers])
+            out_k.append(self.base.k_maps[i](xk) + (xk @ self.a_k[i].T) @ self.b_k[i].T)
+            out_v.append(self.base.v_maps[i](xv) + (xv @ self.a_v[i].T) @ self.b_v[i].T)
+        return out_k, out_v
+
+    def merged(self) -> Translator:
+        """The base translator with the corrections folded into its maps."""
+        t = Translator(self.base.spec)
+        for i in range(len(t.k_maps)):
+            t.k_maps[i].weight = self.base.k_maps[i].weight + self.b_k[i] @ self.a_k[i]
+            t.v_maps[i].weight = self.base.v_maps[i].weight + self.b_v[i] @ self.a_v[i]
+        mx.eval(t.parameters())
+        return t
+
+
+def _concat(xs):
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+
+
+# ---------------------------------------------------------------------------
+# One batch: what is computed without gradients, and the loss
+
+
+@dataclass
+class Batch:
+    """Everything a training step needs that does not depend on the maps."""
+
+    src_keys: List[Optional[mx.array]]  # per source layer, [B, n, width] (translated span)
+    src_values: List[Optional[mx.array]]
+    prefix: List[Tuple[mx.array, mx.array]]  # target's own K/V of the native prefix
+    inputs: mx.array  # [B, L]: context's last token + continuation[:-1]
+    teacher: mx.array  # [B, L, V] target log-probs from its native cache
+    n_native: int
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.size
+
+
+def make_batch(source, target, translator: Translator, context, continuation) -> Batch:
+    """Teacher log-probs, source features and the target's native prefix for one batch
+    of (context [B, C], continuation [B, L]) token ids."""
+    n = context.shape[1] - 1  # positions in the translated cache
+    k = min(translator.spec.native_prefix, n)
+    inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
+    teacher_cache = prefill(target, context[:, :-1])
+    logits = target(inputs, cache=teacher_cache).astype(mx.float32)
+    teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    src_k, src_v, _ = token_features(source, context[:, :-1], translator.source_layers)
+    src_k = [x[:, k:] if x is not None else None for x in src_k]
+    src_v = [x[:, k:] if x is not None else None for x in src_v]
+    prefix = []
+    if k:
+        for c in prefill(target, context[:, :k]):
+            pk, pv, _ = read_layer(c)
+            prefix.append((pk, pv))
+    batch = Batch(src_k, src_v, prefix, inputs, teacher, k)
+    mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)
+    return batch
+
+
+def translated_cache(target, maps, batch: Batch):
+    """The target cache built from the maps' output (differentiable in the maps)."""
+    cache = make_prompt_cache(target)
+    for c, (pk, pv) in zip(cache, batch.prefix):
+        append_layer(c, pk, pv, 0, batch.n_native)
+    keys, values = maps(batch.src_keys, batch.src_values)
+    return build_cache(target, keys, values, start=batch.n_native, cache=cache)
+
+
+def kl_loss(maps, target, batch: Batch):
+    """Mean KL(native ‖ translated) per continuation token."""
+    logits = target(batch.inputs, cache=translated_cache(target, maps, batch))
+    logits = logits.astype(mx.float32)
+    student = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kl = (mx.exp(batch.teacher) * (batch.teacher - student)).sum(-1)
+    return kl.mean()
+
+
+# ---------------------------------------------------------------------------
+# The optimizer step
+
+
+class Distiller:
+    """Owns the trainable maps, the optimizer and the gradient step."""
+
+    def __init__(self, translator: Translator, target, config: DistillConfig):
+        self.config = config
+        self.base = translator  # its spec says which source layers and prefix to use
+        target.freeze()
+        self.maps = LowRankMaps(translator, config.rank, config.seed) if config.rank else translator
+        self.optimizer = optim.AdamW(
+            learning_rate=config.schedule(), weight_decay=config.weight_decay
+        )
+        self.optimizer.init(self.maps.trainable_parameters())
+        # Not mx.compile'd: with gradient accumulation and the skip of non-finite
+        # steps the compiled version failed to trace here ("array without a
+        # primitive"); the update is ~1/3 of a step, the teacher/source passes the rest.
+        self._grad = nn.value_and_grad(self.maps, lambda m, b: kl_loss(m, target, b))
+        self.step = 0  # optimizer steps taken
+        self.skipped = 0  # steps dropped for a non-finite loss or gradient
+
+    def train_step(self, batches: List[Batch]) -> Tuple[float, bool]:
+        """One optimizer step over micro-batches (gradient accumulation).
+
+        Returns (mean loss, applied). A non-finite loss or gradient skips the
+        update entirely: nothing non-finite is ever written into the maps.
+        """
+        total, grads = 0.0, None
+        weight = sum(b.tokens for b in batches)
+        for b in batches:
+            loss, g = self._grad(self.maps, b)
+            scale = b.tokens / weight
+            g = tree_map(lambda x: x * scale, g)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            total += loss * scale
+        grads, norm = optim.clip_grad_norm(grads, self.config.clip)
+        mx.eval(total, norm)
+        loss = total.item()
+        self.step += 1
+        if not (math.isfinite(loss) and math.isfinite(norm.item())):
+            self.skipped += 1
+            return loss, False
+        self.optimizer.update(self.maps, grads)
+        mx.eval(self.maps.parameters(), self.optimizer.state)
+        return loss, True
+
+    def translator(self) -> Translator:
+        """The current maps as a plain translator (corrections merged)."""
+        return self.maps.merged() if isinstance(self.maps, LowRankMaps) else self.maps
+
+    # -- checkpoint state ----------------------------------------------------
+
+    def state_arrays(self) -> dict:
+        """Everything needed to continue exactly: the base maps, the low-rank
+        correction (if any) and the optimizer state."""
+        base = self.maps.base if isinstance(self.maps, LowRankMaps) else self.maps
+        arrays = {f"base.{k}": v for k, v in tree_flatten(base.parameters())}
+        if isinstance(self.maps, LowRankMaps):
+            arrays.update(
+                {f"lowrank.{k}": v for k, v in tree_flatten(self.maps.trainable_parameters())}
+            )
+        arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
+        return arrays
+
+    def load_state_arrays(self, arrays: dict):
+        """Restore the correction and optimizer state (the base maps are restored
+        into the translator before the Distiller is made; see train.resume)."""
+        from mlx.utils import tree_unflatten
+
+        if isinstance(self.maps, LowRankMaps):
+            lowrank = [(k[8:], v) for k, v in arrays.items() if k.startswith("lowrank.")]
+            self.maps.load_weights(lowrank, strict=False)
+        opt = [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")]
+        self.optimizer.state = tree_unflatten(opt)
+        mx.eval(self.maps.parameters(), self.optimizer.state)

@@ -1,0 +1,316 @@
+"""A stage-2 training run you can leave alone: sampling, evaluation, checkpoints,
+resume, logs and a plot.
+
+Files next to the translator ``OUT``:
+- ``OUT`` — the translator, written atomically at every checkpoint and at the end;
+- ``OUT.ckpt.safetensors`` — maps + optimizer state + run position, for ``resume``;
+- ``OUT.log.jsonl`` — one JSON object per step and per evaluation;
+- ``OUT.png`` — loss, KL and CBR curves.
+
+Sampling is a pure function of (seed, step), so a resumed run draws exactly the
+samples the uninterrupted run would have drawn.
+"""
+
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .distill import DistillConfig, Distiller, make_batch
+from .errors import KvlingoError
+from .evaluate import Fidelity, evaluate_translator
+from .translator import Translator, TranslatorSpec
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class RunConfig:
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    context_lengths: Sequence[int] = (128, 256)  # buckets: compiled shapes are reused
+    continuation_len: int = 64
+    eval_every: int = 50
+    eval_windows: int = 16
+    eval_context: Optional[int] = None  # default: the largest context bucket
+    checkpoint_every: int = 50
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["context_lengths"] = list(self.context_lengths)
+        return d
+
+
+def sample_windows(stream: Sequence[int], length: int, count: int, rng: random.Random):
+    """``count`` windows of ``length`` tokens at random offsets of a token stream."""
+    if len(stream) <= length:
+        raise KvlingoError(f"The corpus has {len(stream)} tokens; windows need {length}.")
+    starts = [rng.randrange(0, len(stream) - length) for _ in range(count)]
+    return mx.array([stream[s : s + length] for s in starts])
+
+
+def step_samples(stream, config: RunConfig, step: int):
+    """The micro-batches (context, continuation) of optimizer step ``step``."""
+    d = config.distill
+    rng = random.Random(d.seed * 1_000_003 + step)
+    out = []
+    for _ in range(d.accumulate):
+        c = rng.choice(list(config.context_lengths))
+        w = sample_windows(stream, c + config.continuation_len, d.batch_size, rng)
+        out.append((w[:, :c], w[:, c:]))
+    return out
+
+
+class StopRequested:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints and returns at a step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _paths(out: Path):
+    out = Path(out)
+    return {
+        "translator": out,
+        "checkpoint": out.with_name(out.name + ".ckpt.safetensors"),
+        "log": out.with_name(out.name + ".log.jsonl"),
+        "plot": out.with_name(out.name + ".png"),
+    }
+
+
+def _atomic_save_arrays(path: Path, arrays: dict, metadata: dict):
+    tmp = path.with_name(f".{path.name}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(path: Path, distiller: Distiller, spec: TranslatorSpec, config: RunConfig):
+    meta = {
+        "mlx_kvlingo_checkpoint": json.dumps(
+            {
+                "version": CHECKPOINT_VERSION,
+                "step": distiller.step,
+                "skipped": distiller.skipped,
+                "config": config.to_dict(),
+                "spec": spec.to_json(),
+            }
+        )
+    }
+    _atomic_save_arrays(path, distiller.state_arrays(), meta)
+
+
+def load_checkpoint(path: Path):
+    try:
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        info = json.loads(meta["mlx_kvlingo_checkpoint"])
+    except Exception as e:
+        raise KvlingoError(f"Cannot resume: checkpoint {path} is unreadable ({e}).") from e
+    return arrays, info
+
+
+def _truncate_log(path: Path, step: int):
+    """Drop log lines past ``step`` (written after the checkpoint we resume from)."""
+    if not path.exists():
+        return
+    keep = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
+    path.write_text("".join(l + "\n" for l in keep))
+
+
+def train(
+    source,
+    target,
+    translator: Optional[Translator],
+    train_stream: Sequence[int],
+    heldout_stream: Sequence[int],
+    out: Path,
+    config: RunConfig,
+    resume: bool = False,
+    progress: Optional[Callable[[dict], None]] = None,
+) -> dict:
+    """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
+
+    With ``resume=True`` the translator, optimizer and position come from the
+    checkpoint next to ``out`` (``translator`` may be None).
+
+    Returns a summary: steps done, skipped steps, the last evaluation, whether the
+    run was stopped early (then resumable with ``resume=True``).
+    """
+    paths = _paths(out)
+    paths["translator"].parent.mkdir(parents=True, exist_ok=True)
+    if resume:
+        distiller = _resume(paths, target, config)
+    else:
+        if translator is None:
+            raise KvlingoError("A starting translator (the stage-1 fit) is needed.")
+        distiller = Distiller(translator, target, config.distill)
+        if paths["log"].exists():
+            paths["log"].unlink()
+
+    eval_context = config.eval_context or max(config.context_lengths)
+    eval_windows = list(
+        mx.array(w)[None]
+        for w in _heldout_windows(heldout_stream, eval_context + config.continuation_len,
+                                  config.eval_windows)
+    )
+
+    def evaluate() -> Fidelity:
+        batches = [mx.concatenate(eval_windows[i : i + 8]) for i in range(0, len(eval_windows), 8)]
+        return evaluate_translator(source, target, distiller.translator(), batches, eval_context)
+
+    stopped = False
+    last_eval = None
+    t_run = time.perf_counter()
+    with open(paths["log"], "a") as log, StopRequested() as stop:
+        if distiller.step == 0 and config.eval_every:
+            # The starting point (the stage-1 fit), for comparison.
+            last_eval = {"step": 0, "eval": evaluate().to_dict()}
+            log.write(json.dumps(last_eval) + "\n")
+            if progress:
+                progress(last_eval)
+        while distiller.step < config.distill.steps:
+            t0 = time.perf_counter()
+            batches = [
+                make_batch(source, target, distiller.base, c, n)
+                for c, n in step_samples(train_stream, config, distiller.step)
+            ]
+            t1 = time.perf_counter()
+            loss, applied = distiller.train_step(batches)
+            t2 = time.perf_counter()
+            tokens = sum(b.tokens for b in batches)
+            record = {
+                "step": distiller.step,
+                "loss": loss,
+                "applied": applied,
+                "lr": float(distiller.optimizer.learning_rate.item()),
+                "tokens": tokens,
+                "prepare_s": round(t1 - t0, 4),
+                "update_s": round(t2 - t1, 4),
+                "tokens_per_s": tokens / (t2 - t0),
+            }
+            log.write(json.dumps(record) + "\n")
+            if progress:
+                progress(record)
+            done = distiller.step
+            if config.eval_every and (
+                done % config.eval_every == 0 or done == config.distill.steps
+            ):
+                fid = evaluate()
+                last_eval = {"step": done, "eval": fid.to_dict()}
+                log.write(json.dumps(last_eval) + "\n")
+                if progress:
+                    progress(last_eval)
+            if done % config.checkpoint_every == 0 or stop.requested:
+                log.flush()
+                _save_all(paths, distiller, config)
+            if stop.requested:
+                stopped = True
+                break
+        log.flush()
+    if not stopped:
+        _save_all(paths, distiller, config)
+    write_plot(paths["log"], paths["plot"])
+    return {
+        "steps": distiller.step,
+        "skipped": distiller.skipped,
+        "stopped": stopped,
+        "seconds": time.perf_counter() - t_run,
+        "last_eval": last_eval,
+        "paths": {k: str(v) for k, v in paths.items()},
+    }
+
+
+def _resume(paths, target, config: RunConfig) -> Distiller:
+    """Rebuild the Distiller exactly as it was at the last checkpoint."""
+    if not paths["checkpoint"].exists():
+        raise KvlingoError(f"Cannot resume: no checkpoint at {paths['checkpoint']}.")
+    arrays, info = load_checkpoint(paths["checkpoint"])
+    if info["config"] != config.to_dict():
+        raise KvlingoError(
+            "Cannot resume: the run's settings differ from the checkpoint's "
+            f"({info['config']} vs {config.to_dict()})."
+        )
+    translator = Translator(TranslatorSpec.from_json(info["spec"]))
+    translator.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("base.")])
+    distiller = Distiller(translator, target, config.distill)
+    distiller.load_state_arrays(arrays)
+    distiller.step, distiller.skipped = info["step"], info["skipped"]
+    _truncate_log(paths["log"], distiller.step)
+    return distiller
+
+
+def _save_all(paths, distiller: Distiller, config: RunConfig):
+    t = distiller.translator()
+    t.spec.training = dict(
+        t.spec.training,
+        stage=2,
+        distill={"steps_done": distiller.step, **config.to_dict()},
+    )
+    save_checkpoint(paths["checkpoint"], distiller, t.spec, config)
+    t.save(paths["translator"])
+
+
+def _heldout_windows(stream, length, count):
+    rng = random.Random(12345)
+    return sample_windows(stream, length, count, rng).tolist()
+
+
+def write_plot(log_path: Path, png_path: Path):
+    """Loss/KL and CBR curves from the JSON-lines log (skipped if matplotlib is absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    steps, losses, ev_steps, ev_kl, ev_cbr = [], [], [], [], []
+    for line in Path(log_path).read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            steps.append(r["step"])
+            losses.append(r["loss"])
+        elif "eval" in r:
+            ev_steps.append(r["step"])
+            ev_kl.append(r["eval"]["kl"])
+            ev_cbr.append(r["eval"]["cbr"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(steps, losses, lw=0.8, label="train KL (loss)")
+    a.plot(ev_steps, ev_kl, "o-", label="held-out KL")
+    a.set_xlabel("step")
+    a.set_ylabel("nats / token")
+    a.legend()
+    b.plot(ev_steps, ev_cbr, "o-", color="C2")
+    b.set_xlabel("step")
+    b.set_ylabel("context benefit retained")
+    fig.tight_layout()
+    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png_path)

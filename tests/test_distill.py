@@ -1,0 +1,169 @@
+"""Stage 2: distillation, resumable runs, skipped non-finite steps."""
+
+import json
+import os
+import signal
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_kvlingo import data
+from mlx_kvlingo.distill import DistillConfig, Distiller, LowRankMaps, make_batch
+from mlx_kvlingo.evaluate import evaluate_translator
+from mlx_kvlingo.fit import fit_stage1
+from mlx_kvlingo.train import RunConfig, step_samples, train
+from mlx_kvlingo.translator import Translator, load_translator
+
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    src, tgt = tiny_model("qwen3", seed=1), tiny_model("llama", seed=2)
+    stream = np.random.default_rng(0).integers(0, 97, 4000).tolist()
+    t = Translator.for_models(src, tgt)
+    fit_stage1(src, tgt, t, data.token_windows(stream, 32, 4, 16))
+    return src, tgt, t, stream
+
+
+def _config(steps=6, rank=0, **kw):
+    d = DistillConfig(steps=steps, lr=1e-3, batch_size=2, accumulate=2, rank=rank, seed=3)
+    return RunConfig(d, context_lengths=(16, 24), continuation_len=8, eval_every=0,
+                     checkpoint_every=kw.pop("checkpoint_every", 2), eval_windows=4, **kw)
+
+
+def _fresh(t):
+    """A copy of the stage-1 translator, so runs do not share trained state."""
+    c = Translator(t.spec)
+    c.update(t.parameters())
+    return c
+
+
+def _maps(path):
+    t = load_translator(path)
+    return [np.array(m.weight) for m in t.k_maps + t.v_maps]
+
+
+def test_samples_depend_only_on_seed_and_step(tiny_pair):
+    stream = tiny_pair[3]
+    a = step_samples(stream, _config(), 5)
+    b = step_samples(stream, _config(), 5)
+    c = step_samples(stream, _config(), 6)
+    assert all(mx.array_equal(x[0], y[0]) for x, y in zip(a, b))
+    assert not all(mx.array_equal(x[0], y[0]) for x, y in zip(a, c) if x[0].shape == y[0].shape) \
+        or [x[0].shape for x in a] != [y[0].shape for y in c]
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_interrupted_run_resumes_to_the_same_maps(tiny_pair, tmp_path, rank):
+    src, tgt, t, stream = tiny_pair
+    config = _config(rank=rank)
+    whole = train(src, tgt, _fresh(t), stream, stream, tmp_path / "a.safetensors", config)
+    assert whole["steps"] == 6 and not whole["stopped"]
+
+    # Ctrl-C (SIGINT) during step 3: the run checkpoints at the step boundary and stops.
+    def interrupt(record):
+        if record.get("step") == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "b.safetensors"
+    part = train(src, tgt, _fresh(t), stream, stream, out, config, progress=interrupt)
+    assert part["stopped"] and part["steps"] == 3
+    rest = train(src, tgt, None, stream, stream, out, config, resume=True)
+    assert rest["steps"] == 6 and not rest["stopped"]
+    for a, b in zip(_maps(tmp_path / "a.safetensors"), _maps(out)):
+        if rank == 0:
+            np.testing.assert_array_equal(a, b)
+        else:  # W + B·A is recomputed from restored factors: equal to float rounding
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "b.safetensors.log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tiny_pair, tmp_path):
+    """A kill (no chance to save) loses only the steps since the last checkpoint."""
+    src, tgt, t, stream = tiny_pair
+    config = _config()
+    train(src, tgt, _fresh(t), stream, stream, tmp_path / "a.safetensors", config)
+
+    class Killed(Exception):
+        pass
+
+    def die(record):
+        if record.get("step") == 5:  # checkpoint was written after step 4
+            raise Killed
+
+    out = tmp_path / "b.safetensors"
+    with pytest.raises(Killed):
+        train(src, tgt, _fresh(t), stream, stream, out, config, progress=die)
+    rest = train(src, tgt, None, stream, stream, out, config, resume=True)
+    assert rest["steps"] == 6
+    for a, b in zip(_maps(tmp_path / "a.safetensors"), _maps(out)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_refuses_other_settings_or_no_checkpoint(tiny_pair, tmp_path):
+    from mlx_kvlingo.errors import KvlingoError
+
+    src, tgt, t, stream = tiny_pair
+    out = tmp_path / "c.safetensors"
+    with pytest.raises(KvlingoError, match="no checkpoint"):
+        train(src, tgt, None, stream, stream, out, _config(), resume=True)
+    train(src, tgt, _fresh(t), stream, stream, out, _config(steps=2))
+    with pytest.raises(KvlingoError, match="settings differ"):
+        train(src, tgt, None, stream, stream, out, _config(steps=4, checkpoint_every=1), resume=True)
+
+
+def test_non_finite_loss_is_skipped_and_never_written(tiny_pair):
+    src, tgt, t, stream = tiny_pair
+    t = _fresh(t)
+    distiller = Distiller(t, tgt, _config().distill)
+    (ctx, cont), = step_samples(stream, _config(), 0)[:1]
+    batch = make_batch(src, tgt, t, ctx, cont)
+    before = [np.array(m.weight) for m in t.k_maps]
+    batch.teacher = mx.full(batch.teacher.shape, mx.nan)
+    loss, applied = distiller.train_step([batch])
+    assert not applied and not np.isfinite(loss) and distiller.skipped == 1
+    for a, m in zip(before, t.k_maps):
+        np.testing.assert_array_equal(a, np.array(m.weight))
+        assert np.isfinite(np.array(m.weight)).all()
+
+
+def test_low_rank_correction_keeps_base_frozen_and_merges(tiny_pair):
+    src, tgt, t, stream = tiny_pair
+    t = _fresh(t)
+    base = [np.array(m.weight) for m in t.v_maps]
+    distiller = Distiller(t, tgt, _config(rank=3).distill)
+    assert isinstance(distiller.maps, LowRankMaps)
+    names = [k for k, _ in __import__("mlx.utils").utils.tree_flatten(distiller.maps.trainable_parameters())]
+    assert names and all(n.split(".")[0] in ("a_k", "b_k", "a_v", "b_v") for n in names)
+    for _ in range(3):
+        batches = [make_batch(src, tgt, t, c, n) for c, n in step_samples(stream, _config(), distiller.step)]
+        distiller.train_step(batches)
+    merged = distiller.translator()
+    for i, m in enumerate(t.v_maps):
+        np.testing.assert_array_equal(np.array(m.weight), base[i])  # base untouched
+        expect = base[i] + np.array(distiller.maps.b_v[i] @ distiller.maps.a_v[i])
+        np.testing.assert_allclose(np.array(merged.v_maps[i].weight), expect, rtol=1e-5, atol=1e-6)
+    assert any(np.abs(np.array(b)).max() > 0 for b in distiller.maps.b_k)  # it learned
+
+
+@pytest.mark.slow
+def test_distillation_lowers_heldout_kl_below_stage1(toy_pair, tmp_path):
+    src, stok, tgt, ttok = toy_pair
+    train_docs, heldout_docs = data.split_documents(data.stdlib_documents())
+    train_stream = data.token_stream(stok, train_docs)
+    heldout_stream = data.token_stream(stok, heldout_docs)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    fit_stage1(src, tgt, t, data.token_windows(train_stream, 256, 8, 80))
+    windows = list(data.token_windows(heldout_stream, 256 + 64, 8, 24, seed=7))
+    stage1 = evaluate_translator(src, tgt, t, windows, 256)
+    config = RunConfig(DistillConfig(steps=30, lr=3e-4, batch_size=4, accumulate=2),
+                       context_lengths=(128, 256), eval_every=0, checkpoint_every=30)
+    train(src, tgt, t, train_stream, heldout_stream, tmp_path / "t.safetensors", config)
+    stage2 = evaluate_translator(src, tgt, load_translator(tmp_path / "t.safetensors"), windows, 256)
+    print("stage 1", stage1, "\nstage 2", stage2)
+    assert stage2.kl < 0.92 * stage1.kl
+    assert stage2.top1 >= stage1.top1
+    assert (tmp_path / "t.safetensors.png").exists()
