@@ -306,34 +306,41 @@ def cache_length(cache: List) -> int:
 
 
 def cache_features(
-    model: nn.Module, cache: List, layers: Optional[List[int]] = None
+    model: nn.Module,
+    cache: List,
+    layers: Optional[List[int]] = None,
+    span: Optional[Tuple[int, int]] = None,
 ) -> Tuple[List[mx.array], List[mx.array], int]:
     """Keys (un-rotated) and values of a cache, flattened per token.
 
     Returns (keys, values, start): lists over layers of [B, T, heads*head_dim] and
-    the position of the first token. Layers not in ``layers`` are None. Every
-    requested layer must hold the same positions (a sliding layer that lost early
-    tokens cannot provide features for them).
+    the position of the first token. Layers not in ``layers`` are None.
+
+    ``span=(lo, hi)`` reads positions lo..hi-1 only; every requested layer must
+    still hold them (a sliding layer keeps only its last ``window`` positions).
+    Without a span every requested layer must hold the same positions.
     """
     layers = range(len(cache)) if layers is None else layers
     ks, vs = [None] * len(cache), [None] * len(cache)
-    start = None
+    must_match = span is None  # without a span, all layers must hold the same positions
     for i in layers:
         k, v, s = read_layer(cache[i])
         if k is None:
             raise KvlingoError("The cache is empty: process some tokens first.")
-        if start is None:
-            start, length = s, k.shape[2]
-        elif (s, k.shape[2]) != (start, length):
+        held = (s, s + k.shape[2])
+        span = held if span is None else span
+        lo, hi = span
+        if not (held[0] <= lo and hi <= held[1]) or (must_match and held != span):
             raise KvlingoError(
-                f"Layer {i} of the cache holds positions {s}..{s + k.shape[2] - 1} but "
-                f"other layers hold {start}..{start + length - 1}: a sliding-window layer "
-                "has dropped early tokens. Prefill the source in one pass "
-                "(see mlx_kvlingo.models.prefill) to get complete features."
+                f"Layer {i} of the cache holds positions {held[0]}..{held[1] - 1}, but "
+                f"positions {lo}..{hi - 1} are needed: a sliding-window layer has dropped "
+                "early tokens. Prefill the source in one pass (mlx_kvlingo.models.prefill) "
+                "to get complete features."
             )
-        k = unrope(model.layers[i].self_attn.rope, k, s)
+        k, v = k[..., lo - s : hi - s, :], v[..., lo - s : hi - s, :]
+        k = unrope(model.layers[i].self_attn.rope, k, lo)
         ks[i], vs[i] = _flatten_heads(k), _flatten_heads(v)
-    return ks, vs, start
+    return ks, vs, span[0]
 
 
 def _flatten_heads(x: mx.array) -> mx.array:

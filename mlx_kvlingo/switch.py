@@ -30,6 +30,46 @@ def _as_batch(tokens) -> mx.array:
     return tokens
 
 
+def translate_span(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    source_cache: List,
+    target_cache: Optional[List],
+    tokens,
+    end: int,
+) -> List:
+    """Extend ``target_cache`` (holding ``tokens[:start]``, or None for start = 0) to
+    ``tokens[:end]`` with positions start..end-1 translated from ``source_cache``,
+    which must hold them. Returns the extended target cache.
+
+    This is the whole of a multi-turn switch ("retained span", DESIGN §2): each
+    model keeps its own cache and only the span the other model wrote since is
+    translated. Positions below ``translator.spec.native_prefix`` (the attention
+    sink) are computed by the target itself.
+    """
+    tokens = _as_batch(tokens)
+    start = 0 if target_cache is None else cache_length(target_cache)
+    if not start < end <= tokens.shape[1]:
+        raise KvlingoError(
+            f"Cannot translate positions {start}..{end - 1} of a {tokens.shape[1]}-token context."
+        )
+    if cache_length(source_cache) < end:
+        raise KvlingoError(
+            f"The source cache holds {cache_length(source_cache)} tokens; {end} are needed."
+        )
+    n_native = min(max(translator.spec.native_prefix, start), end)
+    if n_native > start:
+        target_cache = prefill(target, tokens[:, start:n_native], target_cache)
+    if n_native == end:
+        return target_cache
+    keys, values, _ = cache_features(
+        source, source_cache, translator.source_layers, span=(n_native, end)
+    )
+    tk, tv = translator(keys, values)
+    return build_cache(target, tk, tv, start=n_native, cache=target_cache)
+
+
 def translate_cache(
     source: nn.Module,
     target: nn.Module,
@@ -38,35 +78,12 @@ def translate_cache(
     tokens,
     length: Optional[int] = None,
 ) -> List:
-    """A target prompt cache for ``tokens[:length]`` from a source cache that has
+    """A fresh target prompt cache for ``tokens[:length]`` from a source cache that has
     processed at least ``length`` tokens (``length`` defaults to ``len(tokens) - 1``,
-    leaving the last token for the target's own decoding step).
-
-    The first ``translator.spec.native_prefix`` tokens (the attention sink) are
-    computed by the target itself; the rest are translated.
-    """
+    leaving the last token for the target's own decoding step)."""
     tokens = _as_batch(tokens)
     length = tokens.shape[1] - 1 if length is None else length
-    if not 1 <= length <= tokens.shape[1]:
-        raise KvlingoError(f"Cannot translate {length} of {tokens.shape[1]} tokens.")
-    if cache_length(source_cache) < length:
-        raise KvlingoError(
-            f"The source cache holds {cache_length(source_cache)} tokens; "
-            f"{length} are needed."
-        )
-    n_native = min(translator.spec.native_prefix, length)
-    cache = prefill(target, tokens[:, :n_native]) if n_native else None
-    if n_native == length:
-        return cache
-    keys, values, start = cache_features(source, source_cache, translator.source_layers)
-    # Source positions start at `start` (0 unless a sliding layer dropped tokens).
-    lo, hi = n_native - start, length - start
-    if lo < 0:
-        raise KvlingoError("The source cache no longer holds the start of the context.")
-    keys = [k[:, lo:hi] if k is not None else None for k in keys]
-    values = [v[:, lo:hi] if v is not None else None for v in values]
-    tk, tv = translator(keys, values)
-    return build_cache(target, tk, tv, start=n_native, cache=cache)
+    return translate_span(source, target, translator, source_cache, None, tokens, length)
 
 
 def translate_context(

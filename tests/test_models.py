@@ -470,9 +470,12 @@ def test_content_features_refuses_layers_that_dropped_tokens():
     assert "dropped early tokens" in msg and "one pass" in msg
     assert "Layer 2" in msg and "0..11" in msg
 
-    # Translating from such a cache is refused with the same error type.
-    with pytest.raises(KvlingoError):
-        translate_cache(m, m, identity_translator(m), cache, mx.concatenate([toks, toks[:1]]))
+    # Translating positions the cache no longer holds is refused with the same error
+    # type (native_prefix 0: position 0 must come from the source).
+    t = identity_translator(m)
+    t.spec.native_prefix = 0
+    with pytest.raises(KvlingoError, match="dropped early tokens"):
+        translate_cache(m, m, t, cache, mx.concatenate([toks, toks[:1]]))
 
 
 def test_content_features_consistent_subsets_of_a_chunked_cache():
