@@ -102,29 +102,32 @@ def _load_pair(source: str, target: str):
     return src, src_tok, tgt, tgt_tok
 
 
-def _require_shared_tokenizer(src_tok, tgt_tok):
-    from mlx_kvlingo.models import tokenizer_fingerprint
-
-    if tokenizer_fingerprint(src_tok) != tokenizer_fingerprint(tgt_tok):
-        raise KvlingoError(
-            "The two models have different tokenizers. This version translates only "
-            "between models that share a tokenizer (same vocabulary)."
-        )
-
-
-def _corpus_stream(corpus: str, tokenizer, split: str):
-    """The corpus's training or held-out documents, tokenized into one stream."""
+def _split_corpus(corpus: str, tokenizer):
+    """(train, held-out) documents of a corpus, split by document."""
     from mlx_kvlingo import data
 
     docs = data.read_corpus(corpus, tokenizer)
     train, heldout = data.split_documents(docs)
-    chosen = train if split == "train" else heldout
-    if not chosen or not (train and heldout):
+    if not (train and heldout):
         raise KvlingoError(
             f"Corpus {corpus!r} has {len(docs)} document(s): too few to hold some out "
             "for evaluation. Give more text."
         )
-    return data.token_stream(tokenizer, chosen)
+    return train, heldout
+
+
+def _pair_data(corpus: str, src_tok, tgt_tok, native_prefix: int = 1):
+    """Training/evaluation samples for the pair: shared token windows when the
+    tokenizers agree, character-aligned text samples when they differ."""
+    from mlx_kvlingo import data
+    from mlx_kvlingo.models import tokenizer_fingerprint
+    from mlx_kvlingo.samples import AlignedText, SharedTokens
+
+    train, heldout = _split_corpus(corpus, tgt_tok)
+    if tokenizer_fingerprint(src_tok) == tokenizer_fingerprint(tgt_tok):
+        return SharedTokens(data.token_stream(src_tok, train), data.token_stream(src_tok, heldout))
+    join = lambda docs: "\n\n".join(text for _, text in docs)  # noqa: E731
+    return AlignedText(src_tok, tgt_tok, join(train), join(heldout), native_prefix)
 
 
 def fit_translator_cli(
@@ -133,20 +136,25 @@ def fit_translator_cli(
 ):
     """Stage 1 with a progress bar; returns (translator, report)."""
     from mlx_kvlingo import data
-    from mlx_kvlingo.fit import fit_stage1
+    from mlx_kvlingo.fit import fit_features, fit_stage1
+    from mlx_kvlingo.samples import SharedTokens
     from mlx_kvlingo.translator import Translator
 
-    _require_shared_tokenizer(src_tok, tgt_tok)
     translator = Translator.for_models(
         src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
         native_prefix=native_prefix,
     )
-    stream = _corpus_stream(corpus, src_tok, "train")
+    pair = _pair_data(corpus, src_tok, tgt_tok, native_prefix)
     windows = max(tokens // context_len, 1)
-    batches = data.token_windows(stream, context_len, batch_size, windows)
-    total = min(windows, len(stream) // context_len) * (context_len - native_prefix)
-    with typer.progressbar(length=total, label="Fitting (stage 1)") as bar:
-        report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
+    total = windows * (context_len - native_prefix)
+    label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
+    with typer.progressbar(length=total, label=label) as bar:
+        if isinstance(pair, SharedTokens):
+            batches = data.token_windows(pair.train_stream, context_len, batch_size, windows)
+            report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
+        else:
+            features = pair.fit_features(src, tgt, translator, windows, context_len)
+            report = fit_features(translator, features, ridge=ridge, progress=bar.update)
     translator.spec.training["corpus"] = corpus
     return translator, report
 
@@ -271,13 +279,11 @@ def train(
         elif not resume:
             translator = load_translator(init or out)
             translator.check_models(src, tgt, src_tok, tgt_tok)
-        _require_shared_tokenizer(src_tok, tgt_tok)
-        train_stream = _corpus_stream(corpus, src_tok, "train")
-        heldout_stream = _corpus_stream(corpus, src_tok, "heldout")
+        pair = _pair_data(corpus, src_tok, tgt_tok, native_prefix)
         typer.echo(f"Stage 2: {steps} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
-        summary = run_training(src, tgt, translator, train_stream, heldout_stream, out,
-                               config, resume=resume, progress=_print_progress)
+        summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
+                               progress=_print_progress)
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")
@@ -300,8 +306,7 @@ def eval_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Measure a translator on held-out text: NLLs, CBR, KL, top-1."""
-    from mlx_kvlingo import data
-    from mlx_kvlingo.evaluate import evaluate_translator, format_table
+    from mlx_kvlingo.evaluate import format_table
     from mlx_kvlingo.translator import load_translator
 
     def go():
@@ -309,12 +314,11 @@ def eval_cmd(
         t = load_translator(translator)
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         t.check_models(src, tgt, src_tok, tgt_tok)
-        _require_shared_tokenizer(src_tok, tgt_tok)
-        heldout = _corpus_stream(corpus, src_tok, "heldout")
+        pair = _pair_data(corpus, src_tok, tgt_tok, t.spec.native_prefix)
         rows = []
         for c in lengths:
-            w = data.token_windows(heldout, c + continuation_len, 8, windows, seed=1)
-            rows.append(evaluate_translator(src, tgt, t, w, c))
+            items = pair.heldout(c, continuation_len, windows)
+            rows.append(pair.evaluate(src, tgt, t, items, c))
         typer.echo(format_table(rows))
         if json_out:
             result = {
@@ -362,24 +366,38 @@ def _first_token_time(responses):
     return first, toks, text
 
 
-def run_switch(src, tgt, tgt_tok, translator, tokens, max_tokens, compare, repeats=1):
-    """Switch ``tokens`` from src to tgt and generate; optionally re-prefill too.
+def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1):
+    """Switch a context from src to tgt and generate; optionally re-prefill too.
 
-    Returns a dict of timings (medians over ``repeats``) and the answers.
+    ``context``: token ids (shared tokenizer) or text (any pair). Returns a dict of
+    timings (medians over ``repeats``) and the answers.
     """
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
+    from mlx_kvlingo.align import align_text
     from mlx_kvlingo.models import prefill
-    from mlx_kvlingo.switch import generate_after_switch, switch
+    from mlx_kvlingo.switch import generate_after_switch, switch, switch_text
 
-    tokens = mx.array(tokens)
+    if translator.cross_tokenizer:
+        a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix)
+        source_tokens, target_tokens = a.source_tokens, a.target_tokens
+
+        def do_switch(source_cache):
+            return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache)
+    else:
+        tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
+        source_tokens, target_tokens = tokens[:-1], tokens
+
+        def do_switch(source_cache):
+            return switch(src, tgt, translator, tokens, source_cache=source_cache)
+
     # The source has read the context during its turn: its cache is given, not timed.
-    source_cache = prefill(src, tokens[None, :-1])
+    source_cache = prefill(src, mx.array(source_tokens)[None])
     mx.eval([(c.keys, c.values) for c in source_cache])
     switch_times, translate_times, prefill_times = [], [], []
     for _ in range(repeats):
-        result = switch(src, tgt, translator, tokens, source_cache=source_cache)
+        result = do_switch(source_cache)
         first, sw_tokens, sw_text = _first_token_time(
             generate_after_switch(tgt, tgt_tok, result, max_tokens=max_tokens)
         )
@@ -387,18 +405,17 @@ def run_switch(src, tgt, tgt_tok, translator, tokens, max_tokens, compare, repea
         switch_times.append(result.translate_s + first)
         if compare:
             first, pf_tokens, pf_text = _first_token_time(
-                stream_generate(tgt, tgt_tok, tokens, max_tokens=max_tokens)
+                stream_generate(tgt, tgt_tok, mx.array(target_tokens), max_tokens=max_tokens)
             )
             prefill_times.append(first)
     out = {
-        "context_tokens": int(tokens.size),
+        "context_tokens": len(target_tokens),
         "translate_s": statistics.median(translate_times),
         "switch_ttft_s": statistics.median(switch_times),
         "switch_answer": sw_text,
         "switch_tokens": sw_tokens,
     }
     if compare:
-        same = sum(a == b for a, b in zip(sw_tokens, pf_tokens))
         out.update(
             prefill_ttft_s=statistics.median(prefill_times),
             prefill_answer=pf_text,
@@ -408,7 +425,6 @@ def run_switch(src, tgt, tgt_tok, translator, tokens, max_tokens, compare, repea
                 (i for i, (a, b) in enumerate(zip(sw_tokens, pf_tokens)) if a != b),
                 min(len(sw_tokens), len(pf_tokens)),
             ),
-            same_tokens=same,
         )
     return out
 
@@ -434,10 +450,18 @@ def switch_cmd(
         t = load_translator(translator)
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         t.check_models(src, tgt, src_tok, tgt_tok)
-        tokens = _prompt_tokens(src_tok, text, raw)
-        if len(tokens) < 2:
-            raise KvlingoError("The prompt must be at least 2 tokens long.")
-        r = run_switch(src, tgt, tgt_tok, t, tokens, max_tokens, compare)
+        if t.cross_tokenizer:
+            if not raw:
+                typer.echo("(cross-tokenizer pair: the prompt is used as plain text, "
+                           "without a chat template)")
+            if not text.strip():
+                raise KvlingoError("The prompt is empty.")
+            context = text
+        else:
+            context = _prompt_tokens(src_tok, text, raw)
+            if len(context) < 2:
+                raise KvlingoError("The prompt must be at least 2 tokens long.")
+        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare)
         typer.echo(f"--- target after switch ({r['context_tokens']} context tokens) ---")
         typer.echo(r["switch_answer"])
         typer.echo(f"--- time to first token after switch: {r['switch_ttft_s'] * 1e3:.1f} ms "
@@ -464,8 +488,8 @@ def demo(
     cache_dir: Optional[Path] = typer.Option(None, help="Where the demo pair is kept."),
 ):
     """Offline end to end on the built-in pair: fit, evaluate, switch vs re-prefill."""
-    from mlx_kvlingo import data, toy
-    from mlx_kvlingo.evaluate import evaluate_translator, format_table
+    from mlx_kvlingo import toy
+    from mlx_kvlingo.evaluate import format_table
     from mlx_kvlingo.models import load
 
     def go():
@@ -480,14 +504,13 @@ def demo(
         r = report.to_dict()
         typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: "
                    f"mean R² keys {r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
-        heldout = _corpus_stream("stdlib", src_tok, "heldout")
-        fidelity = evaluate_translator(
-            src, tgt, translator, data.token_windows(heldout, 256 + 64, 8, 32), 256
-        )
+        pair = _pair_data("stdlib", src_tok, tgt_tok)
+        fidelity = pair.evaluate(src, tgt, translator, pair.heldout(256, 64, 32), 256)
+        heldout = pair.heldout_stream
         typer.echo("\nFidelity on held-out docstrings (target's continuation, per token):")
         typer.echo(format_table([fidelity]))
         tokens = heldout[:context]
-        res = run_switch(src, tgt, tgt_tok, translator, tokens, 16, True, repeats)
+        res = run_switch(src, src_tok, tgt, tgt_tok, translator, tokens, 16, True, repeats)
         typer.echo(
             f"\nSwitch of a {res['context_tokens']}-token context, median of {repeats}: "
             f"translate + first token {res['switch_ttft_s'] * 1e3:.1f} ms "

@@ -117,13 +117,9 @@ class Batch:
 
 def make_batch(source, target, translator: Translator, context, continuation) -> Batch:
     """Teacher log-probs, source features and the target's native prefix for one batch
-    of (context [B, C], continuation [B, L]) token ids."""
+    of (context [B, C], continuation [B, L]) token ids read alike by both models."""
     n = context.shape[1] - 1  # positions in the translated cache
     k = min(translator.spec.native_prefix, n)
-    inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
-    teacher_cache = prefill(target, context[:, :-1])
-    logits = target(inputs, cache=teacher_cache).astype(mx.float32)
-    teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     src_k, src_v, _ = token_features(source, context[:, :-1], translator.source_layers)
     src_k = [x[:, k:] if x is not None else None for x in src_k]
     src_v = [x[:, k:] if x is not None else None for x in src_v]
@@ -132,7 +128,17 @@ def make_batch(source, target, translator: Translator, context, continuation) ->
         for c in prefill(target, context[:, :k]):
             pk, pv, _ = read_layer(c)
             prefix.append((pk, pv))
-    batch = Batch(src_k, src_v, prefix, inputs, teacher, k)
+    return make_batch_from_features(target, src_k, src_v, prefix, k, context, continuation)
+
+
+def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, continuation):
+    """Add the teacher (the target on its own cache of ``context[:, :-1]``) to source
+    features already cut to the translated positions n_native..C-2."""
+    inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
+    teacher_cache = prefill(target, context[:, :-1])
+    logits = target(inputs, cache=teacher_cache).astype(mx.float32)
+    teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    batch = Batch(src_k, src_v, prefix, inputs, teacher, n_native)
     mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)
     return batch
 

@@ -13,7 +13,7 @@ CBR = (NLL_none − NLL_translated) / (NLL_none − NLL_native).
 """
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,25 +75,14 @@ def _kl(p_log: mx.array, q_log: mx.array) -> mx.array:
     return (mx.exp(p_log) * (p_log - q_log)).sum(-1)
 
 
-def evaluate_translator(
-    source: nn.Module,
-    target: nn.Module,
-    translator,
-    windows: Iterable[mx.array],
-    context_len: int,
-) -> Fidelity:
-    """Score ``translator`` on token windows [B, T] (T > context_len) read identically
-    by both models."""
-    sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
-    n = 0
-    for tokens in windows:
-        context, continuation = tokens[:, :context_len], tokens[:, context_len:]
-        native = continuation_logprobs(
-            target, context, continuation, prefill(target, context[:, :-1])
-        )
-        cache = translate_context(source, target, translator, context)
-        translated = continuation_logprobs(target, context, continuation, cache)
-        none = continuation_logprobs(target, context, continuation, None)
+class _Totals:
+    """Per-token sums over scored continuations."""
+
+    def __init__(self):
+        self.sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
+        self.n = 0
+
+    def add(self, continuation, native, translated, none):
         step = dict(
             native=_nll(native, continuation).sum(),
             translated=_nll(translated, continuation).sum(),
@@ -104,20 +93,78 @@ def evaluate_translator(
         )
         mx.eval(step)
         for k, v in step.items():
-            sums[k] += v.item()
-        n += continuation.size
-    if n == 0:
-        raise ValueError("No windows to evaluate.")
-    return Fidelity(
-        context_len=context_len,
-        tokens=n,
-        nll_native=sums["native"] / n,
-        nll_translated=sums["translated"] / n,
-        nll_none=sums["none"] / n,
-        kl=sums["kl"] / n,
-        kl_none=sums["kl_none"] / n,
-        top1=sums["top1"] / n,
-    )
+            self.sums[k] += v.item()
+        self.n += continuation.size
+
+    def result(self, context_len: int) -> Fidelity:
+        if self.n == 0:
+            raise ValueError("No windows to evaluate.")
+        s, n = self.sums, self.n
+        return Fidelity(
+            context_len=context_len,
+            tokens=n,
+            nll_native=s["native"] / n,
+            nll_translated=s["translated"] / n,
+            nll_none=s["none"] / n,
+            kl=s["kl"] / n,
+            kl_none=s["kl_none"] / n,
+            top1=s["top1"] / n,
+        )
+
+
+def evaluate_translator(
+    source: nn.Module,
+    target: nn.Module,
+    translator,
+    windows: Iterable[mx.array],
+    context_len: int,
+) -> Fidelity:
+    """Score ``translator`` on token windows [B, T] (T > context_len) read identically
+    by both models."""
+    totals = _Totals()
+    for tokens in windows:
+        context, continuation = tokens[:, :context_len], tokens[:, context_len:]
+
+        def logprobs(cache):
+            return continuation_logprobs(target, context, continuation, cache)
+
+        totals.add(
+            continuation,
+            logprobs(prefill(target, context[:, :-1])),
+            logprobs(translate_context(source, target, translator, context)),
+            logprobs(None),
+        )
+    return totals.result(context_len)
+
+
+def evaluate_aligned(source, target, translator, samples, context_len: int) -> Fidelity:
+    """Score a translator on :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with
+    different tokenizers, one sample at a time). The no-context baseline keeps the
+    target's leading special tokens (e.g. Gemma's BOS, without which it is off
+    distribution)."""
+    from .switch import translate_aligned
+
+    totals = _Totals()
+    for s in samples:
+        context = mx.array(s.alignment.target_tokens)[None]
+        continuation = mx.array(s.continuation)[None]
+
+        def logprobs(cache):
+            return continuation_logprobs(target, context, continuation, cache)
+
+        source_cache = prefill(source, mx.array(s.alignment.source_tokens)[None])
+        n = context.shape[1] - 1
+        translated = translate_aligned(
+            source, target, translator, source_cache, None, s.alignment, n
+        )
+        specials = context[:, : s.special_prefix]
+        totals.add(
+            continuation,
+            logprobs(prefill(target, context[:, :-1])),
+            logprobs(translated),
+            logprobs(prefill(target, specials) if s.special_prefix else None),
+        )
+    return totals.result(context_len)
 
 
 def format_table(rows: List[Fidelity]) -> str:

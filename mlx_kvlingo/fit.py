@@ -133,15 +133,33 @@ def fit_stage1(
     Positions the target computes natively at switch time (the first
     ``native_prefix`` of each window) are left out of the fit.
     """
+    skip = translator.spec.native_prefix
+
+    def features():
+        for tokens in batches:
+            src_k, src_v, _ = token_features(source, tokens, translator.source_layers)
+            tgt_k, tgt_v, _ = token_features(target, tokens)
+            yield src_k, src_v, tgt_k, tgt_v
+
+    return fit_features(translator, features(), ridge, progress, skip)
+
+
+def fit_features(
+    translator: Translator,
+    features: Iterable,
+    ridge: float = 1e-3,
+    progress: Optional[Callable[[int], None]] = None,
+    skip: int = 0,
+) -> FitReport:
+    """Fit from an iterable of (source K, source V, target K, target V) feature lists
+    ([B, T, width] per layer, position-aligned); positions < ``skip`` are left out."""
     t0 = time.perf_counter()
     acc = MomentAccumulator(translator)
-    skip = translator.spec.native_prefix
-    for tokens in batches:
-        src_k, src_v, _ = token_features(source, tokens, translator.source_layers)
-        tgt_k, tgt_v, _ = token_features(target, tokens)
+    for src_k, src_v, tgt_k, tgt_v in features:
+        before = acc.count
         acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
         if progress is not None:
-            progress(tokens.shape[0] * (tokens.shape[1] - skip))
+            progress(acc.count - before)
     report = FitReport(tokens=acc.count)
     report.r2_keys, report.r2_values = acc.solve(ridge)
     report.seconds = time.perf_counter() - t0

@@ -15,6 +15,7 @@ from mlx_lm.generate import stream_generate
 
 from .errors import KvlingoError
 from .models import build_cache, cache_length, cache_features, prefill
+from .align import Alignment, align_text, identity_alignment
 from .translator import Translator
 
 
@@ -46,28 +47,61 @@ def translate_span(
     This is the whole of a multi-turn switch ("retained span", DESIGN §2): each
     model keeps its own cache and only the span the other model wrote since is
     translated. Positions below ``translator.spec.native_prefix`` (the attention
-    sink) are computed by the target itself.
+    sink) are computed by the target itself. Both models share the tokenizer; see
+    :func:`translate_aligned` for other pairs.
     """
     tokens = _as_batch(tokens)
-    start = 0 if target_cache is None else cache_length(target_cache)
-    if not start < end <= tokens.shape[1]:
-        raise KvlingoError(
-            f"Cannot translate positions {start}..{end - 1} of a {tokens.shape[1]}-token context."
-        )
-    if cache_length(source_cache) < end:
-        raise KvlingoError(
-            f"The source cache holds {cache_length(source_cache)} tokens; {end} are needed."
-        )
-    n_native = min(max(translator.spec.native_prefix, start), end)
-    if n_native > start:
-        target_cache = prefill(target, tokens[:, start:n_native], target_cache)
-    if n_native == end:
-        return target_cache
-    keys, values, _ = cache_features(
-        source, source_cache, translator.source_layers, span=(n_native, end)
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return translate_aligned(
+        source, target, translator, source_cache, target_cache, alignment, end, tokens
     )
-    tk, tv = translator(keys, values)
-    return build_cache(target, tk, tv, start=n_native, cache=target_cache)
+
+
+def translate_aligned(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    source_cache: List,
+    target_cache: Optional[List],
+    alignment: Alignment,
+    end: int,
+    target_tokens: Optional[mx.array] = None,
+) -> List:
+    """Extend ``target_cache`` to target positions ..end-1 of ``alignment``: native
+    positions are computed by the target, in order; the others are translated from
+    the source positions they are aligned to (which ``source_cache`` must hold).
+
+    ``target_tokens``: [B, T] ids when B > 1 (default: ``alignment.target_tokens``).
+    """
+    if target_tokens is None:
+        target_tokens = mx.array(alignment.target_tokens)[None]
+    start = 0 if target_cache is None else cache_length(target_cache)
+    if not start < end <= len(alignment.source_index):
+        raise KvlingoError(
+            f"Cannot translate positions {start}..{end - 1} of a "
+            f"{len(alignment.source_index)}-token context."
+        )
+    for native, lo, hi in alignment.runs(start, end):
+        if native:
+            target_cache = prefill(target, target_tokens[:, lo:hi], target_cache)
+            continue
+        idx = alignment.source_index[lo:hi]
+        first, last = min(idx), max(idx)
+        if cache_length(source_cache) <= last:
+            raise KvlingoError(
+                f"The source cache holds {cache_length(source_cache)} tokens; "
+                f"position {last} is needed."
+            )
+        keys, values, _ = cache_features(
+            source, source_cache, translator.source_layers, span=(first, last + 1)
+        )
+        if idx != list(range(first, last + 1)):  # cross-tokenizer: gather per target token
+            rows = mx.array([i - first for i in idx])
+            keys = [k[:, rows] if k is not None else None for k in keys]
+            values = [v[:, rows] if v is not None else None for v in values]
+        tk, tv = translator(keys, values)
+        target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache)
+    return target_cache
 
 
 def translate_cache(
@@ -134,3 +168,35 @@ def generate_after_switch(target, tokenizer, result: SwitchResult, **kwargs):
     return stream_generate(
         target, tokenizer, result.last_token, prompt_cache=result.cache, **kwargs
     )
+
+
+def switch_text(
+    source: nn.Module,
+    source_tokenizer,
+    target: nn.Module,
+    target_tokenizer,
+    translator: Translator,
+    text: str,
+    source_cache: Optional[List] = None,
+) -> SwitchResult:
+    """Hand a plain-text context over to the target, whatever the two tokenizers.
+
+    Both models tokenize ``text`` (special tokens included); with a cross-tokenizer
+    translator the target's tokens are aligned to the source's by characters.
+    ``source_cache``: the source's live cache of its tokenization of ``text``.
+    """
+    if not translator.cross_tokenizer:
+        tokens = mx.array(source_tokenizer.encode(text))
+        return switch(source, target, translator, tokens, source_cache=source_cache)
+    alignment = align_text(source_tokenizer, target_tokenizer, text, translator.spec.native_prefix)
+    if len(alignment.target_tokens) < 2:
+        raise KvlingoError("A context needs at least 2 target tokens to switch.")
+    if source_cache is None:
+        source_cache = prefill(source, mx.array(alignment.source_tokens)[None])
+        mx.eval([(c.keys, c.values) for c in source_cache])
+    t0 = time.perf_counter()
+    end = len(alignment.target_tokens) - 1
+    cache = translate_aligned(source, target, translator, source_cache, None, alignment, end)
+    mx.eval([(c.keys, c.values) for c in cache])
+    last = mx.array(alignment.target_tokens[-1:])
+    return SwitchResult(cache, last, time.perf_counter() - t0)

@@ -7,24 +7,23 @@ Files next to the translator ``OUT``:
 - ``OUT.log.jsonl`` — one JSON object per step and per evaluation;
 - ``OUT.png`` — loss, KL and CBR curves.
 
-Sampling is a pure function of (seed, step), so a resumed run draws exactly the
-samples the uninterrupted run would have drawn.
+Sampling is a pure function of (seed, step) (see samples.py), so a resumed run
+draws exactly the samples the uninterrupted run would have drawn.
 """
 
 import json
 import os
-import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from .distill import DistillConfig, Distiller, make_batch
+from .distill import DistillConfig, Distiller
 from .errors import KvlingoError
-from .evaluate import Fidelity, evaluate_translator
+from .evaluate import Fidelity
 from .translator import Translator, TranslatorSpec
 
 CHECKPOINT_VERSION = 1
@@ -33,7 +32,7 @@ CHECKPOINT_VERSION = 1
 @dataclass
 class RunConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
-    context_lengths: Sequence[int] = (128, 256)  # buckets: compiled shapes are reused
+    context_lengths: Sequence[int] = (128, 256)  # a few buckets of context length
     continuation_len: int = 64
     eval_every: int = 50
     eval_windows: int = 16
@@ -44,26 +43,6 @@ class RunConfig:
         d = asdict(self)
         d["context_lengths"] = list(self.context_lengths)
         return d
-
-
-def sample_windows(stream: Sequence[int], length: int, count: int, rng: random.Random):
-    """``count`` windows of ``length`` tokens at random offsets of a token stream."""
-    if len(stream) <= length:
-        raise KvlingoError(f"The corpus has {len(stream)} tokens; windows need {length}.")
-    starts = [rng.randrange(0, len(stream) - length) for _ in range(count)]
-    return mx.array([stream[s : s + length] for s in starts])
-
-
-def step_samples(stream, config: RunConfig, step: int):
-    """The micro-batches (context, continuation) of optimizer step ``step``."""
-    d = config.distill
-    rng = random.Random(d.seed * 1_000_003 + step)
-    out = []
-    for _ in range(d.accumulate):
-        c = rng.choice(list(config.context_lengths))
-        w = sample_windows(stream, c + config.continuation_len, d.batch_size, rng)
-        out.append((w[:, :c], w[:, c:]))
-    return out
 
 
 class StopRequested:
@@ -147,14 +126,17 @@ def train(
     source,
     target,
     translator: Optional[Translator],
-    train_stream: Sequence[int],
-    heldout_stream: Sequence[int],
+    pair_data,
     out: Path,
     config: RunConfig,
     resume: bool = False,
     progress: Optional[Callable[[dict], None]] = None,
 ) -> dict:
     """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
+
+    ``pair_data``: a :class:`~mlx_kvlingo.samples.SharedTokens` or
+    :class:`~mlx_kvlingo.samples.AlignedText` that draws each step's batches and
+    the held-out evaluation set.
 
     With ``resume=True`` the translator, optimizer and position come from the
     checkpoint next to ``out`` (``translator`` may be None).
@@ -174,15 +156,10 @@ def train(
             paths["log"].unlink()
 
     eval_context = config.eval_context or max(config.context_lengths)
-    eval_windows = list(
-        mx.array(w)[None]
-        for w in _heldout_windows(heldout_stream, eval_context + config.continuation_len,
-                                  config.eval_windows)
-    )
+    eval_items = pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)
 
     def evaluate() -> Fidelity:
-        batches = [mx.concatenate(eval_windows[i : i + 8]) for i in range(0, len(eval_windows), 8)]
-        return evaluate_translator(source, target, distiller.translator(), batches, eval_context)
+        return pair_data.evaluate(source, target, distiller.translator(), eval_items, eval_context)
 
     stopped = False
     last_eval = None
@@ -196,10 +173,7 @@ def train(
                 progress(last_eval)
         while distiller.step < config.distill.steps:
             t0 = time.perf_counter()
-            batches = [
-                make_batch(source, target, distiller.base, c, n)
-                for c, n in step_samples(train_stream, config, distiller.step)
-            ]
+            batches = pair_data.step_batches(source, target, distiller.base, config, distiller.step)
             t1 = time.perf_counter()
             loss, applied = distiller.train_step(batches)
             t2 = time.perf_counter()
@@ -274,11 +248,6 @@ def _save_all(paths, distiller: Distiller, config: RunConfig):
     )
     save_checkpoint(paths["checkpoint"], distiller, t.spec, config)
     t.save(paths["translator"])
-
-
-def _heldout_windows(stream, length, count):
-    rng = random.Random(12345)
-    return sample_windows(stream, length, count, rng).tolist()
 
 
 def write_plot(log_path: Path, png_path: Path):

@@ -27,6 +27,7 @@ from .models import CacheGeometry, cache_geometry, model_name, tokenizer_fingerp
 
 FORMAT_VERSION = 1
 METADATA_KEY = "mlx_kvlingo"
+ALIGNMENTS = ("shared", "last_char")
 
 
 @dataclass
@@ -56,6 +57,10 @@ class TranslatorSpec:
     target: ModelIdentity
     layer_map: List[List[int]]  # source layers feeding each target layer
     native_prefix: int = 1  # first context tokens the target computes itself
+    # "shared": both models use one tokenizer, position j reads position j;
+    # "last_char": different tokenizers, each target token reads the source token
+    # containing its last character (align.py).
+    alignment: str = "shared"
     training: dict = field(default_factory=dict)  # how the maps were made
     format_version: int = FORMAT_VERSION
 
@@ -112,7 +117,12 @@ class Translator(nn.Module):
         t = ModelIdentity.of(target, target_tokenizer)
         n_s, n_t = len(s.geometry["layers"]), len(t.geometry["layers"])
         layer_map = nearest_layer_map(n_s, n_t, sources_per_layer)
-        return cls(TranslatorSpec(s, t, layer_map, native_prefix))
+        alignment = "shared" if s.tokenizer == t.tokenizer else "last_char"
+        return cls(TranslatorSpec(s, t, layer_map, native_prefix, alignment=alignment))
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        return self.spec.alignment != "shared"
 
     def __call__(self, keys: List[mx.array], values: List[mx.array]):
         """Map source content-space K/V (lists over source layers of [B, T, width])
@@ -147,6 +157,15 @@ class Translator(nn.Module):
                         f"{role} tokenizer: vocabulary differs from the one the "
                         "translator was trained with"
                     )
+        if source_tokenizer is not None and target_tokenizer is not None:
+            same = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
+            if same and self.cross_tokenizer:
+                problems.append("the models share a tokenizer but the translator is cross-tokenizer")
+            if not same and not self.cross_tokenizer:
+                problems.append(
+                    "the models' tokenizers differ but the translator was trained for a "
+                    "shared tokenizer (position j -> position j); it cannot align them"
+                )
         if problems:
             raise TranslatorMismatch(
                 f"Translator {self.spec.source.name} -> {self.spec.target.name} does not "
@@ -257,6 +276,8 @@ def _validate_spec(spec: TranslatorSpec):
             f"format version {spec.format_version}; this mlx-kvlingo reads up to "
             f"{FORMAT_VERSION}. Upgrade mlx-kvlingo."
         )
+    if spec.alignment not in ALIGNMENTS:
+        raise TranslatorFileError(f"unknown alignment {spec.alignment!r}.")
     if not _is_count(spec.native_prefix):
         raise TranslatorFileError(f"invalid native_prefix {spec.native_prefix!r}.")
     for role in ("source", "target"):

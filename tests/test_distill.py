@@ -12,7 +12,8 @@ from mlx_kvlingo import data
 from mlx_kvlingo.distill import DistillConfig, Distiller, LowRankMaps, make_batch
 from mlx_kvlingo.evaluate import evaluate_translator
 from mlx_kvlingo.fit import fit_stage1
-from mlx_kvlingo.train import RunConfig, step_samples, train
+from mlx_kvlingo.samples import SharedTokens
+from mlx_kvlingo.train import RunConfig, train
 from mlx_kvlingo.translator import Translator, load_translator
 
 from tiny import tiny_model
@@ -47,9 +48,9 @@ def _maps(path):
 
 def test_samples_depend_only_on_seed_and_step(tiny_pair):
     stream = tiny_pair[3]
-    a = step_samples(stream, _config(), 5)
-    b = step_samples(stream, _config(), 5)
-    c = step_samples(stream, _config(), 6)
+    a = SharedTokens(stream, stream).step_samples(_config(), 5)
+    b = SharedTokens(stream, stream).step_samples(_config(), 5)
+    c = SharedTokens(stream, stream).step_samples(_config(), 6)
     assert all(mx.array_equal(x[0], y[0]) for x, y in zip(a, b))
     assert not all(mx.array_equal(x[0], y[0]) for x, y in zip(a, c) if x[0].shape == y[0].shape) \
         or [x[0].shape for x in a] != [y[0].shape for y in c]
@@ -59,7 +60,7 @@ def test_samples_depend_only_on_seed_and_step(tiny_pair):
 def test_interrupted_run_resumes_to_the_same_maps(tiny_pair, tmp_path, rank):
     src, tgt, t, stream = tiny_pair
     config = _config(rank=rank)
-    whole = train(src, tgt, _fresh(t), stream, stream, tmp_path / "a.safetensors", config)
+    whole = train(src, tgt, _fresh(t), SharedTokens(stream, stream), tmp_path / "a.safetensors", config)
     assert whole["steps"] == 6 and not whole["stopped"]
 
     # Ctrl-C (SIGINT) during step 3: the run checkpoints at the step boundary and stops.
@@ -68,9 +69,9 @@ def test_interrupted_run_resumes_to_the_same_maps(tiny_pair, tmp_path, rank):
             os.kill(os.getpid(), signal.SIGINT)
 
     out = tmp_path / "b.safetensors"
-    part = train(src, tgt, _fresh(t), stream, stream, out, config, progress=interrupt)
+    part = train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, config, progress=interrupt)
     assert part["stopped"] and part["steps"] == 3
-    rest = train(src, tgt, None, stream, stream, out, config, resume=True)
+    rest = train(src, tgt, None, SharedTokens(stream, stream), out, config, resume=True)
     assert rest["steps"] == 6 and not rest["stopped"]
     for a, b in zip(_maps(tmp_path / "a.safetensors"), _maps(out)):
         if rank == 0:
@@ -85,7 +86,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_pair, tmp_path):
     """A kill (no chance to save) loses only the steps since the last checkpoint."""
     src, tgt, t, stream = tiny_pair
     config = _config()
-    train(src, tgt, _fresh(t), stream, stream, tmp_path / "a.safetensors", config)
+    train(src, tgt, _fresh(t), SharedTokens(stream, stream), tmp_path / "a.safetensors", config)
 
     class Killed(Exception):
         pass
@@ -96,8 +97,8 @@ def test_killed_run_resumes_from_its_last_checkpoint(tiny_pair, tmp_path):
 
     out = tmp_path / "b.safetensors"
     with pytest.raises(Killed):
-        train(src, tgt, _fresh(t), stream, stream, out, config, progress=die)
-    rest = train(src, tgt, None, stream, stream, out, config, resume=True)
+        train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, config, progress=die)
+    rest = train(src, tgt, None, SharedTokens(stream, stream), out, config, resume=True)
     assert rest["steps"] == 6
     for a, b in zip(_maps(tmp_path / "a.safetensors"), _maps(out)):
         np.testing.assert_array_equal(a, b)
@@ -109,17 +110,17 @@ def test_resume_refuses_other_settings_or_no_checkpoint(tiny_pair, tmp_path):
     src, tgt, t, stream = tiny_pair
     out = tmp_path / "c.safetensors"
     with pytest.raises(KvlingoError, match="no checkpoint"):
-        train(src, tgt, None, stream, stream, out, _config(), resume=True)
-    train(src, tgt, _fresh(t), stream, stream, out, _config(steps=2))
+        train(src, tgt, None, SharedTokens(stream, stream), out, _config(), resume=True)
+    train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, _config(steps=2))
     with pytest.raises(KvlingoError, match="settings differ"):
-        train(src, tgt, None, stream, stream, out, _config(steps=4, checkpoint_every=1), resume=True)
+        train(src, tgt, None, SharedTokens(stream, stream), out, _config(steps=4, checkpoint_every=1), resume=True)
 
 
 def test_non_finite_loss_is_skipped_and_never_written(tiny_pair):
     src, tgt, t, stream = tiny_pair
     t = _fresh(t)
     distiller = Distiller(t, tgt, _config().distill)
-    (ctx, cont), = step_samples(stream, _config(), 0)[:1]
+    (ctx, cont), = SharedTokens(stream, stream).step_samples(_config(), 0)[:1]
     batch = make_batch(src, tgt, t, ctx, cont)
     before = [np.array(m.weight) for m in t.k_maps]
     batch.teacher = mx.full(batch.teacher.shape, mx.nan)
@@ -139,7 +140,7 @@ def test_low_rank_correction_keeps_base_frozen_and_merges(tiny_pair):
     names = [k for k, _ in __import__("mlx.utils").utils.tree_flatten(distiller.maps.trainable_parameters())]
     assert names and all(n.split(".")[0] in ("a_k", "b_k", "a_v", "b_v") for n in names)
     for _ in range(3):
-        batches = [make_batch(src, tgt, t, c, n) for c, n in step_samples(stream, _config(), distiller.step)]
+        batches = [make_batch(src, tgt, t, c, n) for c, n in SharedTokens(stream, stream).step_samples(_config(), distiller.step)]
         distiller.train_step(batches)
     merged = distiller.translator()
     for i, m in enumerate(t.v_maps):
@@ -161,7 +162,7 @@ def test_distillation_lowers_heldout_kl_below_stage1(toy_pair, tmp_path):
     stage1 = evaluate_translator(src, tgt, t, windows, 256)
     config = RunConfig(DistillConfig(steps=30, lr=3e-4, batch_size=4, accumulate=2),
                        context_lengths=(128, 256), eval_every=0, checkpoint_every=30)
-    train(src, tgt, t, train_stream, heldout_stream, tmp_path / "t.safetensors", config)
+    train(src, tgt, t, SharedTokens(train_stream, heldout_stream), tmp_path / "t.safetensors", config)
     stage2 = evaluate_translator(src, tgt, load_translator(tmp_path / "t.safetensors"), windows, 256)
     print("stage 1", stage1, "\nstage 2", stage2)
     assert stage2.kl < 0.92 * stage1.kl

@@ -1,0 +1,98 @@
+"""Aligning two tokenizations of the same text (cross-tokenizer translation).
+
+A cache is indexed by its own model's token positions, so a translator between
+models with different tokenizers works per *target* token: each target token
+takes the source features of the source token that contains its last character
+(fast tokenizers report character offsets). Tokens with no characters (BOS,
+template markers) and the first ``native_prefix`` target positions (the attention
+sink) have no source counterpart: the target computes them itself, in order.
+
+Because a source token may run past the end of a target token, a translated
+position can carry a few characters of look-ahead; callers keep every aligned
+source token inside the context (tokenize the context on its own).
+"""
+
+import bisect
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from .errors import KvlingoError
+
+NATIVE = -1  # source index of a position the target computes itself
+
+
+@dataclass
+class Alignment:
+    source_tokens: List[int]
+    target_tokens: List[int]
+    source_index: List[int]  # per target position: a source position, or NATIVE
+
+    @property
+    def native_prefix(self) -> int:
+        """Length of the leading run of native positions."""
+        n = 0
+        while n < len(self.source_index) and self.source_index[n] == NATIVE:
+            n += 1
+        return n
+
+    def runs(self, start: int, end: int) -> List[Tuple[bool, int, int]]:
+        """Maximal runs (native?, lo, hi) of target positions start..end-1."""
+        out = []
+        for j in range(start, end):
+            native = self.source_index[j] == NATIVE
+            if out and out[-1][0] == native:
+                out[-1] = (native, out[-1][1], j + 1)
+            else:
+                out.append((native, j, j + 1))
+        return out
+
+
+def tokenize_with_offsets(tokenizer, text: str, add_special_tokens: bool = True):
+    """(token ids, character offsets) from a fast tokenizer; special tokens get (0, 0)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    try:
+        enc = hf(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
+    except (NotImplementedError, TypeError, ValueError) as e:
+        raise KvlingoError(
+            "Cross-tokenizer translation needs a fast tokenizer that reports character "
+            f"offsets ({type(hf).__name__} does not: {e})."
+        ) from e
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def align_offsets(
+    source_offsets: Sequence[Tuple[int, int]],
+    target_offsets: Sequence[Tuple[int, int]],
+    native_prefix: int = 1,
+) -> List[int]:
+    """For each target token, the source token containing its last character.
+
+    Source tokens without characters are never chosen. Where no source token
+    contains the character (tokenizers differ on whitespace), the last source
+    token starting at or before it is taken.
+    """
+    texty = [(a, b, i) for i, (a, b) in enumerate(source_offsets) if b > a]
+    starts = [a for a, _, _ in texty]
+    out = []
+    for j, (a, b) in enumerate(target_offsets):
+        if j < native_prefix or b <= a or not texty:
+            out.append(NATIVE)
+            continue
+        k = bisect.bisect_right(starts, b - 1) - 1  # last source token starting <= b-1
+        out.append(texty[k][2] if k >= 0 else NATIVE)
+    return out
+
+
+def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int = 1) -> Alignment:
+    """Tokenize ``text`` with both tokenizers (special tokens included) and align."""
+    s_ids, s_off = tokenize_with_offsets(source_tokenizer, text)
+    t_ids, t_off = tokenize_with_offsets(target_tokenizer, text)
+    return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix))
+
+
+def identity_alignment(tokens: Sequence[int], native_prefix: int = 1) -> Alignment:
+    """The alignment of a shared tokenizer: position j reads position j."""
+    idx = [NATIVE if j < native_prefix else j for j in range(len(tokens))]
+    return Alignment(list(tokens), list(tokens), idx)

@@ -1,0 +1,180 @@
+"""Training and evaluation samples for a pair of models.
+
+Two kinds of pair, one interface (``step_batches``, ``heldout``, ``evaluate``):
+
+- :class:`SharedTokens` — both models share a tokenizer: windows of one token
+  stream, batched, position j of the target reads position j of the source.
+- :class:`AlignedText` — different tokenizers: text snippets whose context and
+  continuation are split at a space and tokenized separately by each model (so no
+  translated position sees past the context), the target's tokens aligned to the
+  source's by characters (``align.py``). One sample per micro-batch.
+
+Sampling is a pure function of (seed, step), so a resumed training run draws the
+samples an uninterrupted one would have drawn.
+"""
+
+import random
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import mlx.core as mx
+
+from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
+from .distill import Batch, make_batch, make_batch_from_features
+from .errors import KvlingoError
+from .evaluate import Fidelity, evaluate_aligned, evaluate_translator
+from .models import read_layer, prefill, token_features
+
+
+def _step_rng(seed: int, step: int) -> random.Random:
+    return random.Random(seed * 1_000_003 + step)
+
+
+# ---------------------------------------------------------------------------
+# Shared tokenizer
+
+
+def sample_windows(stream: Sequence[int], length: int, count: int, rng: random.Random):
+    """``count`` windows of ``length`` tokens at random offsets of a token stream."""
+    if len(stream) <= length:
+        raise KvlingoError(f"The corpus has {len(stream)} tokens; windows need {length}.")
+    starts = [rng.randrange(0, len(stream) - length) for _ in range(count)]
+    return mx.array([stream[s : s + length] for s in starts])
+
+
+class SharedTokens:
+    def __init__(self, train_stream: Sequence[int], heldout_stream: Sequence[int]):
+        self.train_stream = train_stream
+        self.heldout_stream = heldout_stream
+
+    def step_samples(self, config, step: int):
+        """The micro-batches (context [B, C], continuation [B, L]) of one step."""
+        d = config.distill
+        rng = _step_rng(d.seed, step)
+        out = []
+        for _ in range(d.accumulate):
+            c = rng.choice(list(config.context_lengths))
+            w = sample_windows(self.train_stream, c + config.continuation_len, d.batch_size, rng)
+            out.append((w[:, :c], w[:, c:]))
+        return out
+
+    def step_batches(self, source, target, translator, config, step: int) -> List[Batch]:
+        return [
+            make_batch(source, target, translator, c, n)
+            for c, n in self.step_samples(config, step)
+        ]
+
+    def heldout(self, context_len: int, continuation_len: int, count: int):
+        w = sample_windows(
+            self.heldout_stream, context_len + continuation_len, count, random.Random(12345)
+        )
+        return [w[i : i + 8] for i in range(0, count, 8)]
+
+    def evaluate(self, source, target, translator, items, context_len: int) -> Fidelity:
+        return evaluate_translator(source, target, translator, items, context_len)
+
+
+# ---------------------------------------------------------------------------
+# Different tokenizers
+
+
+@dataclass
+class AlignedSample:
+    alignment: Alignment  # of the context: both models' tokens, target -> source
+    continuation: List[int]  # target tokens of the continuation
+    special_prefix: int  # leading target tokens without text (BOS)
+
+
+class AlignedText:
+    def __init__(self, source_tokenizer, target_tokenizer, train_text: str, heldout_text: str,
+                 native_prefix: int = 1):
+        self.source_tokenizer = source_tokenizer
+        self.target_tokenizer = target_tokenizer
+        self.train_text = train_text
+        self.heldout_text = heldout_text
+        self.native_prefix = native_prefix
+
+    def sample(self, text: str, context_len: int, continuation_len: int,
+               rng: random.Random) -> AlignedSample:
+        """A snippet whose target tokenization has about ``context_len`` context
+        tokens, split at a space, and ``continuation_len`` continuation tokens."""
+        span = 8 * (context_len + continuation_len)
+        if len(text) < span + 2:
+            raise KvlingoError(f"The corpus has {len(text)} characters; {span} are needed.")
+        for _ in range(50):
+            at = rng.randrange(0, len(text) - span)
+            at = text.find(" ", at) + 1 or at  # start at a word
+            chunk = text[at : at + span]
+            ids, offsets = tokenize_with_offsets(self.target_tokenizer, chunk, False)
+            if len(ids) < context_len + continuation_len + 8:
+                continue
+            split = chunk.find(" ", offsets[context_len - 1][1])
+            if split <= 0:
+                continue
+            context_text, continuation_text = chunk[:split], chunk[split:]
+            cont, _ = tokenize_with_offsets(self.target_tokenizer, continuation_text, False)
+            if len(cont) < continuation_len:
+                continue
+            s_ids, s_off = tokenize_with_offsets(self.source_tokenizer, context_text)
+            t_ids, t_off = tokenize_with_offsets(self.target_tokenizer, context_text)
+            special = next((j for j, (a, b) in enumerate(t_off) if b > a), len(t_off))
+            index = align_offsets(s_off, t_off, max(self.native_prefix, special))
+            return AlignedSample(
+                Alignment(s_ids, t_ids, index), cont[:continuation_len], special
+            )
+        raise KvlingoError("Could not cut a sample from the corpus: is it mostly whitespace?")
+
+    def step_batches(self, source, target, translator, config, step: int) -> List[Batch]:
+        d = config.distill
+        rng = _step_rng(d.seed, step)
+        batches = []
+        for _ in range(d.accumulate * d.batch_size):
+            c = rng.choice(list(config.context_lengths))
+            s = self.sample(self.train_text, c, config.continuation_len, rng)
+            batches.append(make_aligned_batch(source, target, translator, s))
+        return batches
+
+    def heldout(self, context_len: int, continuation_len: int, count: int):
+        rng = random.Random(12345)
+        return [self.sample(self.heldout_text, context_len, continuation_len, rng)
+                for _ in range(count)]
+
+    def evaluate(self, source, target, translator, items, context_len: int) -> Fidelity:
+        return evaluate_aligned(source, target, translator, items, context_len)
+
+    def fit_features(self, source, target, translator, count: int, context_len: int, seed=0):
+        """(source, target) feature pairs for the stage-1 fit: the target's translated
+        positions and the source features aligned to them."""
+        rng = random.Random(seed)
+        layers = translator.source_layers
+        for _ in range(count):
+            s = self.sample(self.train_text, context_len, 1, rng)
+            idx = s.alignment.source_index
+            keep = [j for j, i in enumerate(idx) if i != NATIVE]
+            rows = mx.array([idx[j] for j in keep])
+            sk, sv, _ = token_features(source, mx.array(s.alignment.source_tokens)[None], layers)
+            tk, tv, _ = token_features(target, mx.array(s.alignment.target_tokens)[None])
+            gather = lambda xs, r: [x[:, r] if x is not None else None for x in xs]  # noqa: E731
+            keep = mx.array(keep)
+            yield gather(sk, rows), gather(sv, rows), gather(tk, keep), gather(tv, keep)
+
+
+def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
+    """A distillation Batch (B = 1) from an aligned sample. Native positions must form
+    a prefix (true for plain text: BOS and the attention sink)."""
+    a = s.alignment
+    context = mx.array(a.target_tokens)[None]
+    n = context.shape[1] - 1
+    k = a.native_prefix
+    if any(i == NATIVE for i in a.source_index[k:n]):
+        raise KvlingoError("Native positions inside a context are not supported in training.")
+    src_k, src_v, _ = token_features(source, mx.array(a.source_tokens)[None], translator.source_layers)
+    rows = mx.array(a.source_index[k:n])
+    src_k = [x[:, rows] if x is not None else None for x in src_k]
+    src_v = [x[:, rows] if x is not None else None for x in src_v]
+    prefix = []
+    if k:
+        for c in prefill(target, context[:, :k]):
+            pk, pv, _ = read_layer(c)
+            prefix.append((pk, pv))
+    return make_batch_from_features(target, src_k, src_v, prefix, k, context, mx.array(s.continuation)[None])

@@ -1,0 +1,103 @@
+"""Cross-tokenizer alignment and translation through it."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_kvlingo.align import NATIVE, align_offsets, align_text, identity_alignment
+from mlx_kvlingo.models import prefill
+from mlx_kvlingo.switch import translate_aligned, translate_span
+from mlx_kvlingo.translator import Translator
+
+from tiny import tiny_model
+
+TEXT = ("The quick brown fox jumps over the lazy dog. def parse(value): return int(value)\n"
+        "    Raise ValueError if the string is not a number; otherwise return it.\n")
+
+
+def _bpe(vocab_size, bos=None):
+    """A small byte-level BPE tokenizer (transformers fast tokenizer) trained on TEXT."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<bos>"] if bos else []
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>" if bos else None)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return _bpe(300), _bpe(330, bos=True)
+
+
+def test_each_target_token_reads_the_source_token_holding_its_last_char(tokenizers):
+    src, tgt = tokenizers
+    a = align_text(src, tgt, TEXT, native_prefix=1)
+    s_off = src(TEXT, return_offsets_mapping=True)["offset_mapping"]
+    t_off = tgt(TEXT, return_offsets_mapping=True)["offset_mapping"]
+    assert a.target_tokens[0] == tgt.bos_token_id and a.source_index[0] == NATIVE
+    assert a.native_prefix == 1
+    assert len(a.source_tokens) != len(a.target_tokens)  # really different splits
+    for j in range(1, len(t_off)):
+        i = a.source_index[j]
+        last = t_off[j][1] - 1
+        assert s_off[i][0] <= last < s_off[i][1]
+
+
+def test_alignment_rules():
+    # Target token 0 is BOS (no chars): native. A gap in the source's coverage falls
+    # back to the last source token starting before the character.
+    src = [(0, 3), (3, 4), (6, 9)]
+    tgt = [(0, 0), (0, 2), (2, 5), (5, 9)]
+    assert align_offsets(src, tgt, native_prefix=0) == [NATIVE, 0, 1, 2]
+    assert align_offsets(src, tgt, native_prefix=2) == [NATIVE, NATIVE, 1, 2]
+    assert identity_alignment([5, 6, 7], 1).source_index == [NATIVE, 1, 2]
+    runs = identity_alignment(list(range(6)), 2).runs(1, 5)
+    assert runs == [(True, 1, 2), (False, 2, 5)]
+
+
+def test_aligned_path_with_identity_alignment_is_exact():
+    """translate_aligned (gather + native runs) equals the shared-token path and the
+    native prefill when the alignment is the identity and the maps exact."""
+    m = tiny_model("qwen3")
+    t = Translator.for_models(m, m)
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.eye(lin.weight.shape[0])
+    tokens = mx.random.randint(0, 97, (1, 24), key=mx.random.key(9))
+    a = identity_alignment(tokens[0].tolist(), 2)
+    a.source_index[7] = NATIVE  # a native token inside the context (e.g. a template marker)
+    source_cache = prefill(m, tokens[:, :20])
+    cache = translate_aligned(m, m, t, source_cache, None, a, 20)
+    native = m(tokens)[:, 20:]
+    assert mx.abs(m(tokens[:, 20:], cache=cache) - native).max().item() < 1e-4
+    shared = translate_span(m, m, t, source_cache, None, tokens, 20)
+    assert mx.abs(m(tokens[:, 20:], cache=shared) - native).max().item() < 1e-4
+
+
+def test_gathered_features_come_from_the_aligned_source_positions():
+    """With a permuted alignment, the translated cache holds the source's K/V of the
+    positions named by the alignment (checked through an exact translator)."""
+    from mlx_kvlingo.models import cache_features
+
+    m = tiny_model("llama")
+    t = Translator.for_models(m, m, native_prefix=0)
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.eye(lin.weight.shape[0])
+    tokens = mx.random.randint(0, 97, (1, 12), key=mx.random.key(3))
+    source_cache = prefill(m, tokens)
+    a = identity_alignment(tokens[0].tolist(), 0)
+    a.source_index = [0, 2, 2, 5, 1, 7, 7, 7, 3, 11, 10, 4]
+    cache = translate_aligned(m, m, t, source_cache, None, a, 12)
+    sk, sv, _ = cache_features(m, source_cache)
+    tk, tv, _ = cache_features(m, cache)
+    rows = mx.array(a.source_index)
+    for layer in range(len(m.layers)):
+        assert mx.allclose(tv[layer], sv[layer][:, rows], atol=1e-5)
+        assert mx.allclose(tk[layer], sk[layer][:, rows], atol=1e-4)
