@@ -7,7 +7,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -116,7 +116,7 @@ def _split_corpus(corpus: str, tokenizer):
     return train, heldout
 
 
-def _pair_data(corpus: str, src_tok, tgt_tok, native_prefix: int = 1):
+def _pair_data(corpus: str, src_tok, tgt_tok):
     """Training/evaluation samples for the pair: shared token windows when the
     tokenizers agree, character-aligned text samples when they differ."""
     from mlx_kvlingo import data
@@ -127,7 +127,7 @@ def _pair_data(corpus: str, src_tok, tgt_tok, native_prefix: int = 1):
     if tokenizer_fingerprint(src_tok) == tokenizer_fingerprint(tgt_tok):
         return SharedTokens(data.token_stream(src_tok, train), data.token_stream(src_tok, heldout))
     join = lambda docs: "\n\n".join(text for _, text in docs)  # noqa: E731
-    return AlignedText(src_tok, tgt_tok, join(train), join(heldout), native_prefix)
+    return AlignedText(src_tok, tgt_tok, join(train), join(heldout))
 
 
 def fit_translator_cli(
@@ -144,7 +144,7 @@ def fit_translator_cli(
         src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
         native_prefix=native_prefix,
     )
-    pair = _pair_data(corpus, src_tok, tgt_tok, native_prefix)
+    pair = _pair_data(corpus, src_tok, tgt_tok)
     windows = max(tokens // context_len, 1)
     total = windows * (context_len - native_prefix)
     label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
@@ -279,7 +279,7 @@ def train(
         elif not resume:
             translator = load_translator(init or out)
             translator.check_models(src, tgt, src_tok, tgt_tok)
-        pair = _pair_data(corpus, src_tok, tgt_tok, native_prefix)
+        pair = _pair_data(corpus, src_tok, tgt_tok)
         typer.echo(f"Stage 2: {steps} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
         summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
@@ -298,33 +298,45 @@ def train(
 def eval_cmd(
     source: str = typer.Option(..., help="Source model."),
     target: str = typer.Option(..., help="Target model."),
-    translator: Path = typer.Option(..., help="Translator file."),
+    translator: List[Path] = typer.Option(
+        ..., help="Translator file; repeat to compare several on the same samples."
+    ),
     corpus: str = typer.Option("stdlib", help=CORPUS_HELP + " Its held-out split is used."),
     context_lengths: str = typer.Option("128,256", help="Comma-separated context lengths."),
     continuation_len: int = typer.Option(64),
     windows: int = typer.Option(32, help="Held-out windows per context length."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Measure a translator on held-out text: NLLs, CBR, KL, top-1."""
+    """Measure translators on held-out text: NLLs, CBR, KL, top-1 per context length."""
     from mlx_kvlingo.evaluate import format_table
     from mlx_kvlingo.translator import load_translator
 
     def go():
         lengths = _int_list(context_lengths)
-        t = load_translator(translator)
+        translators = [load_translator(p) for p in translator]
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
-        t.check_models(src, tgt, src_tok, tgt_tok)
-        pair = _pair_data(corpus, src_tok, tgt_tok, t.spec.native_prefix)
-        rows = []
+        for t in translators:
+            t.check_models(src, tgt, src_tok, tgt_tok)
+        pair = _pair_data(corpus, src_tok, tgt_tok)
+        rows = [[] for _ in translators]  # per translator, per context length
         for c in lengths:
             items = pair.heldout(c, continuation_len, windows)
-            rows.append(pair.evaluate(src, tgt, t, items, c))
-        typer.echo(format_table(rows))
+            for r, f in zip(rows, pair.evaluate(src, tgt, translators, items, c)):
+                r.append(f)
+        entries = []
+        for path, t, r in zip(translator, translators, rows):
+            typer.echo(f"\n{path}:")
+            typer.echo(format_table(r))
+            entries.append({
+                "translator": str(path), "training": t.spec.training,
+                "native_prefix": t.spec.native_prefix, "alignment": t.spec.alignment,
+                "results": {str(f.context_len): f.to_dict() for f in r},
+            })
         if json_out:
             result = {
-                "source": source, "target": target, "translator": str(translator),
-                "corpus": corpus, "training": t.spec.training,
-                "results": {str(r.context_len): r.to_dict() for r in rows},
+                "source": source, "target": target, "corpus": corpus,
+                "continuation_len": continuation_len, "windows": windows,
+                "translators": entries, "results": entries[0]["results"],
             }
             _write_json(json_out, result)
             typer.echo(f"Wrote {json_out}")
@@ -505,7 +517,7 @@ def demo(
         typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: "
                    f"mean R² keys {r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
         pair = _pair_data("stdlib", src_tok, tgt_tok)
-        fidelity = pair.evaluate(src, tgt, translator, pair.heldout(256, 64, 32), 256)
+        fidelity = pair.evaluate(src, tgt, [translator], pair.heldout(256, 64, 32), 256)[0]
         heldout = pair.heldout_stream
         typer.echo("\nFidelity on held-out docstrings (target's continuation, per token):")
         typer.echo(format_table([fidelity]))

@@ -35,6 +35,13 @@ class Alignment:
             n += 1
         return n
 
+    def with_native_prefix(self, k: int) -> "Alignment":
+        """The same alignment with (at least) the first ``k`` positions native."""
+        if self.native_prefix >= k:
+            return self
+        index = [NATIVE if j < k else i for j, i in enumerate(self.source_index)]
+        return Alignment(self.source_tokens, self.target_tokens, index)
+
     def runs(self, start: int, end: int) -> List[Tuple[bool, int, int]]:
         """Maximal runs (native?, lo, hi) of target positions start..end-1."""
         out = []

@@ -121,30 +121,35 @@ def evaluate_translator(
 ) -> Fidelity:
     """Score ``translator`` on token windows [B, T] (T > context_len) read identically
     by both models."""
-    totals = _Totals()
+    return evaluate_translators(source, target, [translator], windows, context_len)[0]
+
+
+def evaluate_translators(source, target, translators, windows, context_len: int) -> List[Fidelity]:
+    """Score several translators on the same windows; the native and no-context
+    passes are computed once per window."""
+    totals = [_Totals() for _ in translators]
     for tokens in windows:
         context, continuation = tokens[:, :context_len], tokens[:, context_len:]
 
         def logprobs(cache):
             return continuation_logprobs(target, context, continuation, cache)
 
-        totals.add(
-            continuation,
-            logprobs(prefill(target, context[:, :-1])),
-            logprobs(translate_context(source, target, translator, context)),
-            logprobs(None),
-        )
-    return totals.result(context_len)
+        native = logprobs(prefill(target, context[:, :-1]))
+        none = logprobs(None)
+        for t, tot in zip(translators, totals):
+            translated = logprobs(translate_context(source, target, t, context))
+            tot.add(continuation, native, translated, none)
+    return [t.result(context_len) for t in totals]
 
 
-def evaluate_aligned(source, target, translator, samples, context_len: int) -> Fidelity:
-    """Score a translator on :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with
+def evaluate_aligned(source, target, translators, samples, context_len: int) -> List[Fidelity]:
+    """Score translators on :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with
     different tokenizers, one sample at a time). The no-context baseline keeps the
     target's leading special tokens (e.g. Gemma's BOS, without which it is off
     distribution)."""
     from .switch import translate_aligned
 
-    totals = _Totals()
+    totals = [_Totals() for _ in translators]
     for s in samples:
         context = mx.array(s.alignment.target_tokens)[None]
         continuation = mx.array(s.continuation)[None]
@@ -152,19 +157,15 @@ def evaluate_aligned(source, target, translator, samples, context_len: int) -> F
         def logprobs(cache):
             return continuation_logprobs(target, context, continuation, cache)
 
+        native = logprobs(prefill(target, context[:, :-1]))
+        specials = context[:, : s.special_prefix]
+        none = logprobs(prefill(target, specials) if s.special_prefix else None)
         source_cache = prefill(source, mx.array(s.alignment.source_tokens)[None])
         n = context.shape[1] - 1
-        translated = translate_aligned(
-            source, target, translator, source_cache, None, s.alignment, n
-        )
-        specials = context[:, : s.special_prefix]
-        totals.add(
-            continuation,
-            logprobs(prefill(target, context[:, :-1])),
-            logprobs(translated),
-            logprobs(prefill(target, specials) if s.special_prefix else None),
-        )
-    return totals.result(context_len)
+        for t, tot in zip(translators, totals):
+            cache = translate_aligned(source, target, t, source_cache, None, s.alignment, n)
+            tot.add(continuation, native, logprobs(cache), none)
+    return [t.result(context_len) for t in totals]
 
 
 def format_table(rows: List[Fidelity]) -> str:

@@ -22,7 +22,7 @@ import mlx.core as mx
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from .distill import Batch, make_batch, make_batch_from_features
 from .errors import KvlingoError
-from .evaluate import Fidelity, evaluate_aligned, evaluate_translator
+from .evaluate import Fidelity, evaluate_aligned, evaluate_translators
 from .models import read_layer, prefill, token_features
 
 
@@ -70,8 +70,8 @@ class SharedTokens:
         )
         return [w[i : i + 8] for i in range(0, count, 8)]
 
-    def evaluate(self, source, target, translator, items, context_len: int) -> Fidelity:
-        return evaluate_translator(source, target, translator, items, context_len)
+    def evaluate(self, source, target, translators, items, context_len: int) -> List[Fidelity]:
+        return evaluate_translators(source, target, translators, items, context_len)
 
 
 # ---------------------------------------------------------------------------
@@ -86,13 +86,11 @@ class AlignedSample:
 
 
 class AlignedText:
-    def __init__(self, source_tokenizer, target_tokenizer, train_text: str, heldout_text: str,
-                 native_prefix: int = 1):
+    def __init__(self, source_tokenizer, target_tokenizer, train_text: str, heldout_text: str):
         self.source_tokenizer = source_tokenizer
         self.target_tokenizer = target_tokenizer
         self.train_text = train_text
         self.heldout_text = heldout_text
-        self.native_prefix = native_prefix
 
     def sample(self, text: str, context_len: int, continuation_len: int,
                rng: random.Random) -> AlignedSample:
@@ -118,7 +116,9 @@ class AlignedText:
             s_ids, s_off = tokenize_with_offsets(self.source_tokenizer, context_text)
             t_ids, t_off = tokenize_with_offsets(self.target_tokenizer, context_text)
             special = next((j for j, (a, b) in enumerate(t_off) if b > a), len(t_off))
-            index = align_offsets(s_off, t_off, max(self.native_prefix, special))
+            # Textless tokens (BOS) are native here; translators add their own
+            # native prefix (Alignment.with_native_prefix) where they are used.
+            index = align_offsets(s_off, t_off, native_prefix=0)
             return AlignedSample(
                 Alignment(s_ids, t_ids, index), cont[:continuation_len], special
             )
@@ -139,8 +139,8 @@ class AlignedText:
         return [self.sample(self.heldout_text, context_len, continuation_len, rng)
                 for _ in range(count)]
 
-    def evaluate(self, source, target, translator, items, context_len: int) -> Fidelity:
-        return evaluate_aligned(source, target, translator, items, context_len)
+    def evaluate(self, source, target, translators, items, context_len: int) -> List[Fidelity]:
+        return evaluate_aligned(source, target, translators, items, context_len)
 
     def fit_features(self, source, target, translator, count: int, context_len: int, seed=0):
         """(source, target) feature pairs for the stage-1 fit: the target's translated
@@ -149,7 +149,7 @@ class AlignedText:
         layers = translator.source_layers
         for _ in range(count):
             s = self.sample(self.train_text, context_len, 1, rng)
-            idx = s.alignment.source_index
+            idx = s.alignment.with_native_prefix(translator.spec.native_prefix).source_index
             keep = [j for j, i in enumerate(idx) if i != NATIVE]
             rows = mx.array([idx[j] for j in keep])
             sk, sv, _ = token_features(source, mx.array(s.alignment.source_tokens)[None], layers)
@@ -162,7 +162,7 @@ class AlignedText:
 def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
     """A distillation Batch (B = 1) from an aligned sample. Native positions must form
     a prefix (true for plain text: BOS and the attention sink)."""
-    a = s.alignment
+    a = s.alignment.with_native_prefix(translator.spec.native_prefix)
     context = mx.array(a.target_tokens)[None]
     n = context.shape[1] - 1
     k = a.native_prefix

@@ -73,6 +73,7 @@ def translate_aligned(
 
     ``target_tokens``: [B, T] ids when B > 1 (default: ``alignment.target_tokens``).
     """
+    alignment = alignment.with_native_prefix(translator.spec.native_prefix)
     if target_tokens is None:
         target_tokens = mx.array(alignment.target_tokens)[None]
     start = 0 if target_cache is None else cache_length(target_cache)

@@ -159,7 +159,8 @@ def train(
     eval_items = pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)
 
     def evaluate() -> Fidelity:
-        return pair_data.evaluate(source, target, distiller.translator(), eval_items, eval_context)
+        translators = [distiller.translator()]
+        return pair_data.evaluate(source, target, translators, eval_items, eval_context)[0]
 
     stopped = False
     last_eval = None
