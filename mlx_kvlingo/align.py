@@ -76,16 +76,24 @@ def align_offsets(
 ) -> List[int]:
     """For each target token, the source token containing its last character.
 
-    Source tokens without characters are never chosen. Where no source token
+    Source tokens without characters are never chosen for text. Where no source token
     contains the character (tokenizers differ on whitespace), the last source
     token starting at or before it is taken.
     """
     texty = [(a, b, i) for i, (a, b) in enumerate(source_offsets) if b > a]
     starts = [a for a, _, _ in texty]
     out = []
+    seen_text = False
     for j, (a, b) in enumerate(target_offsets):
-        if j < native_prefix or b <= a or not texty:
+        seen_text = seen_text or b > a
+        if j < native_prefix or not texty:
             out.append(NATIVE)
+            continue
+        if b <= a:
+            # A textless token (BOS) before any text pairs with the source's first
+            # token, so that without a native prefix the sink is translated too;
+            # later ones (template markers) have no counterpart.
+            out.append(0 if not seen_text and source_offsets else NATIVE)
             continue
         k = bisect.bisect_right(starts, b - 1) - 1  # last source token starting <= b-1
         out.append(texty[k][2] if k >= 0 else NATIVE)

@@ -116,8 +116,7 @@ class AlignedText:
             s_ids, s_off = tokenize_with_offsets(self.source_tokenizer, context_text)
             t_ids, t_off = tokenize_with_offsets(self.target_tokenizer, context_text)
             special = next((j for j, (a, b) in enumerate(t_off) if b > a), len(t_off))
-            # Textless tokens (BOS) are native here; translators add their own
-            # native prefix (Alignment.with_native_prefix) where they are used.
+            # Translators add their own native prefix (Alignment.with_native_prefix).
             index = align_offsets(s_off, t_off, native_prefix=0)
             return AlignedSample(
                 Alignment(s_ids, t_ids, index), cont[:continuation_len], special

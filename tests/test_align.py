@@ -56,7 +56,10 @@ def test_alignment_rules():
     # back to the last source token starting before the character.
     src = [(0, 3), (3, 4), (6, 9)]
     tgt = [(0, 0), (0, 2), (2, 5), (5, 9)]
-    assert align_offsets(src, tgt, native_prefix=0) == [NATIVE, 0, 1, 2]
+    # A leading textless target token pairs with source token 0 unless native;
+    # a textless one after text has no counterpart.
+    assert align_offsets(src, tgt, native_prefix=0) == [0, 0, 1, 2]
+    assert align_offsets(src, tgt + [(9, 9)], native_prefix=1)[-1] == NATIVE
     assert align_offsets(src, tgt, native_prefix=2) == [NATIVE, NATIVE, 1, 2]
     assert identity_alignment([5, 6, 7], 1).source_index == [NATIVE, 1, 2]
     runs = identity_alignment(list(range(6)), 2).runs(1, 5)
