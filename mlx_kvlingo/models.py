@@ -192,6 +192,12 @@ def _proj_out_dims(linear: nn.Module) -> int:
     return linear.weight.shape[0]
 
 
+def max_positions(model: nn.Module) -> Optional[int]:
+    """The longest context the model was configured for, when its config says."""
+    args = getattr(model, "args", None)
+    return getattr(args, "max_position_embeddings", None)
+
+
 def cache_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype the model's K/V (its activations) have."""
     k_proj = model.layers[0].self_attn.k_proj

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 
 from .errors import KvlingoError
-from .models import build_cache, cache_length, cache_features, prefill
+from .models import build_cache, cache_features, cache_length, max_positions, prefill
 from .align import Alignment, align_text, identity_alignment
 from .translator import Translator
 
@@ -81,6 +81,12 @@ def translate_aligned(
         raise KvlingoError(
             f"Cannot translate positions {start}..{end - 1} of a "
             f"{len(alignment.source_index)}-token context."
+        )
+    limit = max_positions(target)
+    if limit and len(alignment.target_tokens) > limit:
+        raise KvlingoError(
+            f"The context has {len(alignment.target_tokens)} target tokens; the target "
+            f"model handles at most {limit} positions."
         )
     for native, lo, hi in alignment.runs(start, end):
         if native:

@@ -56,17 +56,18 @@ def test_samples_depend_only_on_seed_and_step(tiny_pair):
         or [x[0].shape for x in a] != [y[0].shape for y in c]
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_interrupted_run_resumes_to_the_same_maps(tiny_pair, tmp_path, rank):
+@pytest.mark.parametrize("rank, sig", [(0, signal.SIGINT), (4, signal.SIGINT), (0, signal.SIGTERM)])
+def test_interrupted_run_resumes_to_the_same_maps(tiny_pair, tmp_path, rank, sig):
     src, tgt, t, stream = tiny_pair
     config = _config(rank=rank)
     whole = train(src, tgt, _fresh(t), SharedTokens(stream, stream), tmp_path / "a.safetensors", config)
     assert whole["steps"] == 6 and not whole["stopped"]
 
-    # Ctrl-C (SIGINT) during step 3: the run checkpoints at the step boundary and stops.
+    # Ctrl-C (SIGINT) or SIGTERM during step 3: the run checkpoints at the step
+    # boundary and stops.
     def interrupt(record):
         if record.get("step") == 3:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
 
     out = tmp_path / "b.safetensors"
     part = train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, config, progress=interrupt)

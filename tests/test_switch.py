@@ -92,3 +92,12 @@ def test_retained_spans_rebuild_the_native_cache(arch):
     got = m(tokens[:, 30:], cache=cache)
     native = m(tokens)[:, 30:]
     assert mx.abs(got - native).max().item() < 1e-4
+
+
+def test_context_longer_than_the_target_allows_is_refused():
+    from tiny import tiny_model
+
+    m = tiny_model("qwen2", max_position_embeddings=16)
+    t = Translator.for_models(m, m)
+    with pytest.raises(KvlingoError, match="at most 16 positions"):
+        switch(m, m, t, list(range(1, 21)))
