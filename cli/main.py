@@ -537,6 +537,24 @@ def demo(
     _run(go)
 
 
+@app.command()
+def push(
+    translator: Path = typer.Argument(..., help="Translator file to upload."),
+    repo_id: str = typer.Argument(..., help="Hub repo id, OWNER/NAME."),
+    eval_json: Optional[Path] = typer.Option(None, help="An `eval --json` report for the card."),
+    private: bool = typer.Option(False),
+):
+    """Upload a translator to the Hugging Face hub with a generated model card."""
+    from mlx_kvlingo.hub import push as push_translator
+
+    def go():
+        fidelity = json.loads(eval_json.read_text())["results"] if eval_json else None
+        url = push_translator(translator, repo_id, fidelity=fidelity, private=private)
+        typer.echo(f"Uploaded {translator} to {repo_id}: {url}")
+
+    _run(go)
+
+
 from mlx_kvlingo_cli.fetch_cmd import register as _register_fetch  # noqa: E402
 
 _register_fetch(app)

@@ -215,8 +215,11 @@ def _geometry_differences(role: str, want: CacheGeometry, have: CacheGeometry):
 
 
 def load_translator(path) -> Translator:
-    """Read a translator file, checking its header, metadata, shapes and values."""
-    path = Path(path)
+    """Read a translator file (or a hub repo id holding one), checking its header,
+    metadata, shapes and values."""
+    from .hub import resolve_translator
+
+    path = resolve_translator(path)
     if not path.is_file():
         raise TranslatorFileError(f"Translator file not found: {path}")
     header = _read_safetensors_header(path)
