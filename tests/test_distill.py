@@ -169,3 +169,29 @@ def test_distillation_lowers_heldout_kl_below_stage1(toy_pair, tmp_path):
     assert stage2.kl < 0.92 * stage1.kl
     assert stage2.top1 >= stage1.top1
     assert (tmp_path / "t.safetensors.png").exists()
+
+
+def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny_pair, tmp_path, monkeypatch):
+    """A write that fails half way (ENOSPC) leaves the last good checkpoint and
+    translator as they were, with no temporary file behind."""
+    import errno
+
+    import mlx_kvlingo.train as train_mod
+
+    src, tgt, t, stream = tiny_pair
+    out = tmp_path / "t.safetensors"
+    train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, _config(steps=2))
+    ckpt = tmp_path / "t.safetensors.ckpt.safetensors"
+    before = {p: p.read_bytes() for p in (out, ckpt)}
+
+    def full_disk(path, arrays, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_mod.mx, "save_safetensors", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, _config(steps=2))
+    for p, data in before.items():
+        assert p.read_bytes() == data
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
