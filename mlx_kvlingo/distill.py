@@ -123,12 +123,15 @@ def make_batch(source, target, translator: Translator, context, continuation) ->
     src_k, src_v, _ = token_features(source, context[:, :-1], translator.source_layers)
     src_k = [x[:, k:] if x is not None else None for x in src_k]
     src_v = [x[:, k:] if x is not None else None for x in src_v]
-    prefix = []
-    if k:
-        for c in prefill(target, context[:, :k]):
-            pk, pv, _ = read_layer(c)
-            prefix.append((pk, pv))
+    prefix = native_prefix_kv(target, context, k)
     return make_batch_from_features(target, src_k, src_v, prefix, k, context, continuation)
+
+
+def native_prefix_kv(target, context, k: int):
+    """The target's own K/V (as cached, per layer) of its first ``k`` context tokens."""
+    if not k:
+        return []
+    return [read_layer(c)[:2] for c in prefill(target, context[:, :k])]
 
 
 def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, continuation):

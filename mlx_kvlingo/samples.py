@@ -20,10 +20,10 @@ from typing import List, Sequence
 import mlx.core as mx
 
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
-from .distill import Batch, make_batch, make_batch_from_features
+from .distill import Batch, make_batch, make_batch_from_features, native_prefix_kv
 from .errors import KvlingoError
 from .evaluate import Fidelity, evaluate_aligned, evaluate_translators
-from .models import read_layer, prefill, token_features
+from .models import token_features
 
 
 def _step_rng(seed: int, step: int) -> random.Random:
@@ -171,9 +171,5 @@ def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
     rows = mx.array(a.source_index[k:n])
     src_k = [x[:, rows] if x is not None else None for x in src_k]
     src_v = [x[:, rows] if x is not None else None for x in src_v]
-    prefix = []
-    if k:
-        for c in prefill(target, context[:, :k]):
-            pk, pv, _ = read_layer(c)
-            prefix.append((pk, pv))
+    prefix = native_prefix_kv(target, context, k)
     return make_batch_from_features(target, src_k, src_v, prefix, k, context, mx.array(s.continuation)[None])
