@@ -26,9 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = {
-    # fit samples of 256 target tokens, stage-2 steps, eval windows, context lengths
-    "quick": dict(fit_samples=24, steps=8, windows=4, contexts="128,512,1024"),
-    "full": dict(fit_samples=160, steps=60, windows=16, contexts="128,512,1024"),
+    # stage 1: fit_samples contexts of fit_context target tokens; stage 2: steps at
+    # train_contexts; eval: windows per context length.
+    "quick": dict(fit_samples=12, fit_context=512, steps=8, train_contexts="256", lr=1e-5,
+                  windows=4, contexts="128,512,1024"),
+    "full": dict(fit_samples=48, fit_context=1024, steps=24, train_contexts="512", lr=1e-5,
+                 windows=8, contexts="128,512,1024"),
 }
 
 
@@ -57,7 +60,8 @@ def run_direction(name, source, target, work: Path, s: dict) -> dict:
     times = {}
     times["stage1_s"] = cli(
         "train", "--stage", "1", "--source", source, "--target", target, "--out", s1,
-        "--fit-tokens", s["fit_samples"] * 256, "--context-lengths", "256",
+        "--fit-tokens", s["fit_samples"] * s["fit_context"],
+        "--context-lengths", s["fit_context"],
         "--sources-per-layer", 3, "--native-prefix", 1,
     )
     s1_nosink = without_sink(s1)
@@ -66,8 +70,8 @@ def run_direction(name, source, target, work: Path, s: dict) -> dict:
         out = work / f"stage2_{label}.safetensors"
         times[f"stage2_{label}_s"] = cli(
             "train", "--stage", "2", "--source", source, "--target", target, "--init", init,
-            "--out", out, "--steps", s["steps"], "--lr", "2e-5", "--batch-size", 1,
-            "--accumulate", 2, "--context-lengths", "256", "--eval-every", 0,
+            "--out", out, "--steps", s["steps"], "--lr", s["lr"], "--batch-size", 1,
+            "--accumulate", 2, "--context-lengths", s["train_contexts"], "--eval-every", 0,
             "--checkpoint-every", s["steps"], "--native-prefix",
             1 if label == "sink" else 0,
         )
@@ -109,7 +113,12 @@ def markdown(results, toy, meta) -> str:
         f"Machine: {meta['machine']}; mlx {meta['mlx']}; total {meta['seconds'] / 60:.1f} min. "
         "Held-out stdlib docstrings; continuation of 48 target tokens; per-token numbers.",
         "CBR = context benefit retained; 'benefit' = the target's own NLL(no context) - "
-        "NLL(native). Stage 1: 3 adjacent source layers per map, ridge 1e-3.",
+        f"NLL(native). Stage 1: 3 adjacent source layers per map, ridge 1e-3, "
+        f"{meta['settings']['fit_samples']} contexts of {meta['settings']['fit_context']} tokens. "
+        f"Stage 2: {meta['settings']['steps']} steps of 2 sequences (contexts "
+        f"{meta['settings']['train_contexts']}), lr {meta['settings']['lr']:g}. "
+        f"{meta['settings']['windows']} "
+        "held-out windows per context length.",
         "",
     ]
     for r in results:
