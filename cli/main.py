@@ -559,5 +559,9 @@ from mlx_kvlingo_cli.fetch_cmd import register as _register_fetch  # noqa: E402
 
 _register_fetch(app)
 
+from mlx_kvlingo_cli.session_cmds import register as _register_session  # noqa: E402
+
+_register_session(app)
+
 if __name__ == "__main__":
     app()

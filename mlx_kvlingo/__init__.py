@@ -9,17 +9,20 @@ _blas.preload_openblas()
 from .errors import KvlingoError, TranslatorMismatch  # noqa: E402
 from .models import cache_geometry, load  # noqa: E402
 from .translator import Translator, load_translator  # noqa: E402
-from .switch import switch, translate_context  # noqa: E402
+from .switch import switch, switch_text, translate_context  # noqa: E402
+from .session import Session  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KvlingoError",
+    "Session",
     "TranslatorMismatch",
     "Translator",
     "cache_geometry",
     "load",
     "load_translator",
     "switch",
+    "switch_text",
     "translate_context",
 ]

@@ -57,6 +57,9 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
         model = dequantize_model(model)
     if dtype is not None:
         model.set_dtype(dtype)
+        # Materialise the cast now: a lazy cast is tied to this thread's stream and
+        # would fail (or be paid for by the first forward) on a worker thread.
+        mx.eval(model.parameters())
     model.eval()
     model.name_or_path = str(path_or_repo)
     check_supported(model)

@@ -12,10 +12,19 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 
-from .errors import KvlingoError
-from .models import build_cache, cache_features, cache_length, max_positions, prefill
 from .align import Alignment, align_text, identity_alignment
+from .errors import KvlingoError
+from .models import (
+    append_layer,
+    build_cache,
+    cache_features,
+    cache_length,
+    max_positions,
+    prefill,
+    read_layer,
+)
 from .translator import Translator
 
 
@@ -90,7 +99,7 @@ def translate_aligned(
         )
     for native, lo, hi in alignment.runs(start, end):
         if native:
-            target_cache = prefill(target, target_tokens[:, lo:hi], target_cache)
+            target_cache = _native_run(target, target_tokens, lo, hi, target_cache)
             continue
         idx = alignment.source_index[lo:hi]
         first, last = min(idx), max(idx)
@@ -109,6 +118,28 @@ def translate_aligned(
         tk, tv = translator(keys, values)
         target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache)
     return target_cache
+
+
+def _native_run(target, tokens, lo: int, hi: int, cache):
+    """Positions lo..hi-1 computed by the target itself. A run from position 0 (BOS,
+    the attention sink) depends only on its token ids, so it is memoized per model:
+    a switch then costs no extra forward pass for it."""
+    if lo or tokens.shape[0] != 1:
+        return prefill(target, tokens[:, lo:hi], cache)
+    memo = target.__dict__.get("_kvlingo_prefix_kv")
+    if memo is None:  # object.__setattr__: a dict set through nn.Module becomes a child
+        memo = {}
+        object.__setattr__(target, "_kvlingo_prefix_kv", memo)
+    key = tuple(tokens[0, :hi].tolist())
+    if key not in memo:
+        if len(memo) >= 16:
+            memo.clear()
+        memo[key] = [read_layer(c)[:2] for c in prefill(target, tokens[:, :hi])]
+        mx.eval(memo[key])
+    cache = make_prompt_cache(target) if cache is None else cache
+    for c, (k, v) in zip(cache, memo[key]):
+        append_layer(c, k, v, 0, hi)
+    return cache
 
 
 def translate_cache(

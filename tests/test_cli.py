@@ -26,7 +26,8 @@ def run_cli(*args, check=True, timeout=600):
 
 def test_help_lists_the_commands():
     out = run_cli("--help").stdout
-    for command in ("inspect", "fit", "train", "eval", "switch", "demo", "fetch-models"):
+    for command in ("inspect", "fit", "train", "eval", "switch", "demo", "fetch-models",
+                    "chat", "convert-cache", "bench", "push"):
         assert re.search(rf"\b{command}\b", out), command
 
 

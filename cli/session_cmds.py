@@ -1,0 +1,376 @@
+"""`mlx-kvlingo chat`, `convert-cache` and `bench ttft`.
+
+Wired into the main app with ``register(app)``.
+"""
+
+import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mlx_kvlingo.errors import KvlingoError
+
+
+def _fail(message: str):
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(1)
+
+
+def _run(fn):
+    """The package's own errors (and OS errors) become one line and exit status 1."""
+    try:
+        return fn()
+    except KvlingoError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------------------
+# chat
+
+CHAT_HELP = """\
+Commands:
+  /switch NAME   answer the next turns with model NAME
+  /models        list the models and translators
+  /stats         per-turn table: tokens translated, prefilled, generated; time to first token
+  /reset         start a new conversation
+  /help          this text
+  /quit          leave (also Ctrl-D)
+Anything else is sent as your message. Ctrl-C stops an answer."""
+
+
+def _parse_models(specs: List[str]):
+    """NAME=PATH or PATH (named after the directory)."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name or spec, spec
+        if not name or not path:
+            raise KvlingoError(f"--model expects NAME=PATH or PATH, got {spec!r}.")
+        if name in out:
+            raise KvlingoError(f"Two models are named {name!r}; use NAME=PATH.")
+        out[name] = path
+    return out
+
+
+def _match_translator(translator, session, path: str):
+    """(source, target) names a translator file fits, from its recorded model names
+    or, failing that, from cache geometry."""
+    from mlx_kvlingo.models import cache_geometry, model_name
+
+    def candidates(ident):
+        names = session.model_names
+        by_name = [n for n in names if model_name(session.model(n)) == ident.name]
+        if len(by_name) == 1:
+            return by_name
+        return [n for n in names
+                if cache_geometry(session.model(n)).fingerprint() == ident.fingerprint]
+
+    sources = candidates(translator.spec.source)
+    targets = candidates(translator.spec.target)
+    pairs = [(s, t) for s in sources for t in targets if s != t]
+    if len(pairs) != 1:
+        raise KvlingoError(
+            f"Cannot tell which models translator {path} connects "
+            f"({'no' if not pairs else 'several'} candidates); "
+            "write --translator SOURCE:TARGET=FILE."
+        )
+    return pairs[0]
+
+
+def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, system):
+    from mlx_kvlingo.models import load
+    from mlx_kvlingo.session import Session, builtin_session, stage1_translator
+    from mlx_kvlingo.translator import load_translator
+
+    if not models:
+        if translators:
+            raise KvlingoError("--translator needs --model (the built-in pair fits its own).")
+        typer.echo("No --model given: using the built-in pair (small = qwen3, large = llama).")
+        return builtin_session(cache_dir, fit_tokens, log=typer.echo, system_prompt=system)
+    paths = _parse_models(models)
+    if len(paths) < 2:
+        raise KvlingoError("Give at least two --model options (or none for the built-in pair).")
+    session = Session(system_prompt=system)
+    for name, path in paths.items():
+        typer.echo(f"Loading {name} from {path} ...")
+        model, tokenizer = load(path)
+        session.add_model(name, model, tokenizer)
+    for spec in translators:
+        pair, sep, file = spec.rpartition("=")
+        t = load_translator(file)
+        if sep and ":" in pair:
+            src, _, tgt = pair.partition(":")
+        elif sep:
+            raise KvlingoError(f"--translator expects SOURCE:TARGET=FILE or FILE, got {spec!r}.")
+        else:
+            src, tgt = _match_translator(t, session, file)
+        session.add_translator(src, tgt, t)
+    if fit_missing:
+        for s in session.model_names:
+            for t in session.model_names:
+                if s != t and not session.has_translator(s, t):
+                    ms, mt = session.model(s), session.model(t)
+                    tok = session.tokenizer
+                    session.add_translator(s, t, stage1_translator(
+                        ms, tok, mt, tok, cache_dir, fit_tokens, log=typer.echo))
+    return session
+
+
+def _describe(session) -> str:
+    lines = []
+    for name in session.model_names:
+        from mlx_kvlingo.models import model_name
+
+        lines.append(f"  {name}: {model_name(session.model(name))}")
+    pairs = [f"{s} -> {t}" for s in session.model_names for t in session.model_names
+             if s != t and session.has_translator(s, t)]
+    missing = [f"{s} -> {t}" for s in session.model_names for t in session.model_names
+               if s != t and not session.has_translator(s, t)]
+    lines.append("  translators: " + (", ".join(pairs) or "none"))
+    if missing:
+        lines.append("  no translator (falls back to prefill): " + ", ".join(missing))
+    return "\n".join(lines)
+
+
+def _stats(session) -> str:
+    from mlx_kvlingo.session import format_reports
+
+    t = session.transcript
+    lines = [format_reports(session.reports) if session.reports else "No turns yet."]
+    lines.append(f"conversation: {len(t)} tokens")
+    for name in session.model_names:
+        lines.append(f"  {name}: cache holds {t.processed[name]} tokens, "
+                     f"{t.translated[name]} of them translated")
+    return "\n".join(lines)
+
+
+class LineReader:
+    """Reads lines from a file descriptor while staying interruptible.
+
+    ``input()`` blocks inside C; when Ctrl-C's SIGINT is delivered to one of MLX's
+    or BLAS's worker threads instead of the main thread, the blocked read never
+    returns and Python never gets to raise KeyboardInterrupt. Waiting in short
+    ``select`` slices lets the main thread act on the signal within 0.2 s.
+    """
+
+    def __init__(self, fd: int = 0, out=None):
+        self.fd, self.out, self.buf = fd, out or sys.stdout, b""
+
+    def __call__(self, prompt: str = "") -> str:
+        import os
+        import select
+
+        self.out.write(prompt)
+        self.out.flush()
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd], [], [], 0.2)
+            if not ready:
+                continue
+            data = os.read(self.fd, 4096)
+            if not data:  # end of input (Ctrl-D on an empty line)
+                if self.buf:
+                    line, self.buf = self.buf, b""
+                    return line.decode("utf-8", "replace")
+                raise EOFError
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode("utf-8", "replace")
+
+
+def chat_loop(session, first: str, max_tokens: int, sampler=None, read=None, out=None):
+    """The interactive loop (``read(prompt)`` returns one line or raises EOFError)."""
+    out = out or sys.stdout
+    read = read or LineReader(out=out)
+
+    def say(text="", end="\n"):
+        out.write(text + end)
+        out.flush()
+
+    current = first
+    say(f"Talking to {current}. Type /help for commands.")
+    while True:
+        try:
+            line = read(f"[{current}] you> ")
+        except (EOFError, KeyboardInterrupt):
+            say()
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if cmd in ("/quit", "/exit"):
+                break
+            elif cmd == "/help":
+                say(CHAT_HELP)
+            elif cmd == "/models":
+                say(_describe(session))
+            elif cmd == "/stats":
+                say(_stats(session))
+            elif cmd == "/reset":
+                session.reset()
+                say("New conversation.")
+            elif cmd == "/switch":
+                if arg in session.model_names:
+                    current = arg
+                    say(f"Now talking to {current}.")
+                else:
+                    say(f"No model named {arg!r}; models: {', '.join(session.model_names)}.")
+            else:
+                say(f"Unknown command {cmd}; /help lists them.")
+            continue
+        kwargs = {"sampler": sampler} if sampler is not None else {}
+        stream = session.generate(current, line, max_tokens=max_tokens, stream=True, **kwargs)
+        say(f"{current}> ", end="")
+        try:
+            for r in stream:
+                say(r.text, end="")
+        except KeyboardInterrupt:
+            stream.close()
+            say(" [stopped]", end="")
+        except KvlingoError as e:
+            stream.close()
+            say(f"\nerror: {e}")
+            continue
+        report = stream.report
+        say()
+        say(f"  ({report.summary()})")
+        for w in report.warnings:
+            say(f"  warning: {w}")
+    say("Bye.")
+
+
+def register(app: typer.Typer):
+    """Add `chat`, `convert-cache` and `bench ttft` to ``app``."""
+
+    @app.command()
+    def chat(
+        model: Optional[List[str]] = typer.Option(
+            None, "--model", "-m",
+            help="NAME=PATH (or PATH) of an mlx-lm model; repeat. Default: the built-in pair."),
+        translator: Optional[List[str]] = typer.Option(
+            None, "--translator", "-t",
+            help="SOURCE:TARGET=FILE (or FILE, matched to the models); repeat."),
+        first: Optional[str] = typer.Option(None, help="Model that answers first (default: the first)."),
+        fit_missing: bool = typer.Option(
+            False, help="Fit stage-1 translators for directions without one (cached)."),
+        fit_tokens: int = typer.Option(10_000, help="Positions for stage-1 fits."),
+        max_tokens: int = typer.Option(128, help="Most tokens per answer."),
+        temp: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
+        system: Optional[str] = typer.Option(None, help="System prompt."),
+        cache_dir: Optional[Path] = typer.Option(
+            None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
+            "or ~/.cache/mlx-kvlingo)."),
+    ):
+        """Chat with two or more models, switching with /switch NAME: each model
+        translates what the others wrote instead of re-reading it."""
+        from mlx_lm.sample_utils import make_sampler
+
+        def go():
+            session = _build_session(model or [], translator or [], fit_missing, fit_tokens,
+                                     cache_dir, system)
+            start = first or session.model_names[0]
+            if start not in session.model_names:
+                raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")
+            typer.echo(_describe(session))
+            chat_loop(session, start, max_tokens, make_sampler(temp) if temp > 0 else None)
+
+        _run(go)
+
+    @app.command("convert-cache")
+    def convert_cache(
+        in_file: Path = typer.Argument(..., metavar="IN", help="Prompt-cache file written by mlx-lm for SOURCE."),
+        translator: Path = typer.Option(..., help="Translator file SOURCE -> TARGET."),
+        source: str = typer.Option(..., help="The model that wrote IN (path or hub id)."),
+        target: str = typer.Option(..., help="The model to convert for; written into OUT's "
+                                   "metadata: pass the same string to mlx_lm.generate --model."),
+        out: Path = typer.Option(..., help="Prompt-cache file to write."),
+        prompt: Optional[str] = typer.Option(
+            None, help="The prompt given to mlx_lm.cache_prompt (needed when the translator "
+            "computes its first tokens natively, the default)."),
+        prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
+        dtype: str = typer.Option("auto", help="auto (the target's own dtype), float16, "
+                                  "bfloat16 or float32."),
+    ):
+        """Turn an mlx-lm prompt-cache file made by SOURCE into one for TARGET, so
+        `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it."""
+        import mlx.core as mx
+
+        from mlx_kvlingo.models import load
+        from mlx_kvlingo.prompt_cache import convert_prompt_cache_file, native_dtype
+        from mlx_kvlingo.translator import load_translator
+
+        def go():
+            if prompt is not None and prompt_file is not None:
+                raise KvlingoError("Give at most one of --prompt and --prompt-file.")
+            text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
+            if dtype not in ("auto", "float16", "bfloat16", "float32"):
+                raise KvlingoError(f"--dtype must be auto, float16, bfloat16 or float32, not {dtype!r}.")
+            t = load_translator(translator)
+            if text is None and t.spec.native_prefix:
+                raise KvlingoError(
+                    f"The translator computes the first {t.spec.native_prefix} token(s) with "
+                    "the target itself, which needs their ids; prompt-cache files do not store "
+                    "token ids. Give the prompt you cached with --prompt or --prompt-file.")
+            src, src_tok = load(source)
+            tgt, tgt_tok = load(target)
+            t.check_models(src, tgt, src_tok, tgt_tok)
+            out_dtype = native_dtype(target) if dtype == "auto" else getattr(mx, dtype)
+            r = convert_prompt_cache_file(in_file, out, src, tgt, t, target, tgt_tok, text,
+                                          out_dtype)
+            typer.echo(f"Converted {r.tokens} cached tokens ({r.translated} translated, "
+                       f"{r.native} computed by the target) in {r.seconds:.2f}s; wrote {out} "
+                       f"({r.dtype}) for {r.target_model}.")
+
+        _run(go)
+
+    bench = typer.Typer(help="Benchmarks.", no_args_is_help=True, add_completion=False)
+
+    @bench.command("ttft")
+    def bench_ttft(
+        json_out: Path = typer.Option(..., "--json", help="Write the results here."),
+        plot: Optional[Path] = typer.Option(None, help="PNG plot (default: beside the JSON)."),
+        target: Optional[str] = typer.Option(
+            None, help="Target model (default: SmolLM2-135M-Instruct, float32, fetched once)."),
+        source: Optional[str] = typer.Option(None, help="Source model (default: the target)."),
+        translator: Optional[Path] = typer.Option(
+            None, help="Translator file (default: random maps; timing only)."),
+        contexts: str = typer.Option("64,256,1024,4096", help="Context lengths."),
+        repeats: int = typer.Option(5, help="Timed runs per context (medians reported)."),
+        warmup: int = typer.Option(1, help="Untimed runs first."),
+        quick: bool = typer.Option(False, help="Short run: contexts 64,256, 2 repeats."),
+    ):
+        """Time to first token after a switch vs a full re-prefill of the target."""
+        from mlx_kvlingo.bench import format_rows, run_ttft_benchmark, TTFTRow
+
+        def go():
+            try:
+                lengths = [int(x) for x in contexts.split(",") if x.strip()]
+            except ValueError:
+                lengths = []
+            if not lengths or min(lengths) < 2:
+                raise KvlingoError(f"--contexts expects lengths >= 2, got {contexts!r}.")
+            n, w = repeats, warmup
+            if quick:
+                lengths = [c for c in lengths if c <= 256] or lengths[:1]
+                n, w = min(repeats, 2), min(warmup, 1)
+            if n < 1:
+                raise KvlingoError("--repeats must be at least 1.")
+            png = plot or json_out.with_suffix(".png")
+            result = run_ttft_benchmark(target, source, translator, lengths, n, w,
+                                        json_out=json_out, plot_out=png, log=typer.echo)
+            fields = set(TTFTRow.__dataclass_fields__)
+            rows = [TTFTRow(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
+            typer.echo(format_rows(rows))
+            typer.echo(f"Wrote {json_out} and {png}")
+
+        _run(go)
+
+    app.add_typer(bench, name="bench")

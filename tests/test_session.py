@@ -1,0 +1,299 @@
+"""The multi-model Session: exactness, token accounting, fallback, templates, threads."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models import prefill
+from mlx_kvlingo.session import (
+    Session,
+    builtin_session,
+    finish_thread,
+    format_reports,
+    stage1_translator,
+)
+from mlx_kvlingo.translator import Translator
+
+
+def identity(model, tokenizer):
+    t = Translator.for_models(model, model, tokenizer, tokenizer)
+    for m in t.k_maps + t.v_maps:
+        m.weight = mx.eye(m.weight.shape[0])
+    return t
+
+
+@pytest.fixture(scope="module")
+def target(toy_pair):
+    return toy_pair[2], toy_pair[3]
+
+
+def twin_session(model, tok, both=True, **kw):
+    """One model under two names with exact translators: a switch must change nothing."""
+    translators = {("a", "b"): identity(model, tok)}
+    if both:
+        translators["b", "a"] = identity(model, tok)
+    return Session({"a": (model, tok), "b": (model, tok)}, translators, **kw)
+
+
+def native_greedy(model, tok, tokens, n):
+    return [r.token for r in stream_generate(model, tok, mx.array(tokens), max_tokens=n)]
+
+
+def next_logits(model, cache, token):
+    return model(mx.array([[token]]), cache=cache)[0, -1]
+
+
+QUESTIONS = ["Return the sum of the items.", "Open the file and return a stream.",
+             "Close the file.", "Raise ValueError if empty."]
+
+
+def test_switching_with_an_exact_translator_equals_native_prefill(target):
+    m, tok = target
+    s = twin_session(m, tok)
+    for i, q in enumerate(QUESTIONS):
+        name = "ab"[i % 2]
+        r = s.generate(name, q, max_tokens=8)
+        tokens = s.tokens
+        start = r.context_tokens
+        got = tokens[start:start + r.generated]
+        assert got == native_greedy(m, tok, tokens[:start], 8), f"turn {i}"
+        assert not r.warnings
+    # The cache "a" builds over four turns (half of it translated from "b") gives
+    # the log-probs a native prefill of the whole transcript gives.
+    tokens = s.tokens
+    native = prefill(m, mx.array(tokens[:-1])[None])
+    want = next_logits(m, native, tokens[-1])
+    want = want - mx.logsumexp(want)
+    got = s.read("a", [tokens[0]])[0]  # catches up on b's last turn, then reads one token
+    assert mx.abs(got - want).max().item() < 1e-3
+    assert s.reports[-1].translated == s.reports[-2].new_tokens + 8 - 1
+
+
+def test_token_accounting(target):
+    m, tok = target
+    s = twin_session(m, tok)
+    r0 = s.generate("a", QUESTIONS[0], max_tokens=5)
+    n0 = len(tok.encode("user: " + QUESTIONS[0] + "\n\nassistant:"))
+    assert (r0.translated, r0.prefilled, r0.generated, r0.new_tokens) == (0, n0, 5, n0)
+    assert r0.context_tokens == n0 and r0.ttft_s > 0
+
+    r1 = s.generate("b", QUESTIONS[1], max_tokens=4)
+    # b reads a's whole turn: the first token natively (the translator's native
+    # prefix), the rest translated; then its own new tokens.
+    assert r1.translated == n0 + 5 - 1 and r1.translated_from == {"a": n0 + 5 - 1}
+    assert r1.prefilled == 1 + r1.new_tokens and r1.generated == 4
+    assert r1.context_tokens == n0 + 5 + r1.new_tokens
+
+    r2 = s.generate("a", QUESTIONS[2], max_tokens=3)
+    assert r2.translated == r1.new_tokens + 4  # only what b wrote since a's last turn
+    assert r2.prefilled == r2.new_tokens
+    t = s.transcript
+    assert t.processed == {"a": len(t), "b": len(t) - r2.new_tokens - 3}
+    assert t.translated == {"a": r2.translated, "b": r1.translated}
+    assert [(sp.writer, sp.kind) for sp in t.spans] == [
+        ("a", "prompt"), ("a", "generated"), ("b", "prompt"), ("b", "generated"),
+        ("a", "prompt"), ("a", "generated")]
+    table = format_reports(s.reports)
+    assert len(table.splitlines()) == 4
+
+
+def test_missing_translator_falls_back_to_prefill_and_says_so(target):
+    m, tok = target
+    s = twin_session(m, tok, both=False)  # a -> b only
+    s.generate("a", QUESTIONS[0], max_tokens=4)
+    r1 = s.generate("b", QUESTIONS[1], max_tokens=4)
+    assert r1.translated > 0 and not r1.warnings
+    r2 = s.generate("a", QUESTIONS[2], max_tokens=6)
+    assert r2.translated == 0
+    assert r2.prefilled == r1.new_tokens + 4 + r2.new_tokens
+    assert len(r2.warnings) == 1 and "no translator b -> a" in r2.warnings[0]
+    start = r2.context_tokens
+    assert s.tokens[start:] == native_greedy(m, tok, s.tokens[:start], 6)
+
+
+def test_two_threads_are_serialized_and_consistent(target):
+    m, tok = target
+    s = twin_session(m, tok)
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def chat(name, questions):
+        try:
+            barrier.wait()
+            for q in questions:
+                stream = s.generate(name, q, max_tokens=6, stream=True)
+                for _ in stream:
+                    pass
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            finish_thread()
+
+    threads = [threading.Thread(target=chat, args=("a", QUESTIONS[:2])),
+               threading.Thread(target=chat, args=("b", QUESTIONS[2:]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(s.reports) == 4 and [r.index for r in s.reports] == [0, 1, 2, 3]
+    assert any(r.wait_s > 1e-4 for r in s.reports)  # one thread did wait for the other
+    # Turns did not interleave: each one is its prompt then its answer, contiguous,
+    # and every answer is what the model gives from a native prefill of what came
+    # before it.
+    spans = s.transcript.spans
+    assert len(spans) == 8
+    for r, (p, g) in zip(s.reports, zip(spans[::2], spans[1::2])):
+        assert (p.writer, g.writer) == (r.model, r.model) and p.end == g.start
+        assert g.end - g.start == r.generated == 6
+        assert s.tokens[g.start:g.end] == native_greedy(m, tok, s.tokens[:g.start], 6)
+
+
+def test_a_thread_cannot_start_a_turn_while_streaming_one(target):
+    m, tok = target
+    s = twin_session(m, tok)
+    stream = s.generate("a", QUESTIONS[0], max_tokens=20, stream=True)
+    next(stream)
+    with pytest.raises(KvlingoError, match="still streaming"):
+        s.generate("b", QUESTIONS[1], max_tokens=2)
+    stream.close()  # stop early: the tokens so far stay in the conversation
+    assert stream.report.generated == 1 and s.transcript.processed["a"] == len(s.transcript)
+    r = s.generate("b", QUESTIONS[1], max_tokens=2)
+    assert r.translated == stream.report.context_tokens + 1 - 1
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_chat_template_transcript_extends_the_previous_one(toy_pair_dirs):
+    from mlx_kvlingo.models import load
+
+    m, tok = load(toy_pair_dirs[1])
+    tok._tokenizer.chat_template = CHAT_TEMPLATE
+    eos = tok.eos_token_id
+    calls = {"n": 0}
+
+    def stop_after_two(tokens, logits):  # force an end-of-turn token as the 3rd token
+        calls["n"] += 1
+        if calls["n"] == 3:
+            return mx.where(mx.arange(logits.shape[-1]) == eos, 0.0, -1e9)[None]
+        return logits
+
+    s = twin_session(m, tok, system_prompt="Be brief.")
+    turns = [("a", "Sum a list.", {}), ("b", "Now open a file.", {"logits_processors": [stop_after_two]}),
+             ("a", "And close it.", {}), ("b", None, {})]
+    for name, message, kw in turns:
+        r = s.generate(name, message, max_tokens=6, **kw)
+        # What the models read is exactly the template's rendering of the conversation
+        # so far (answers included), up to the generation prompt.
+        rendered = tok.apply_chat_template(s.messages[:-1], tokenize=False,
+                                           add_generation_prompt=True)
+        assert tok.decode(s.tokens[:r.context_tokens]) == rendered
+    assert s.reports[1].finish_reason == "stop" and s.reports[1].generated == 3
+    assert s.messages[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_read_turns_and_errors(target):
+    m, tok = target
+    s = twin_session(m, tok)
+    ids = tok.encode("Return the number of items in the container, or zero.")
+    lp = s.read("a", ids)
+    assert lp.shape == (len(ids) - 1, m.args.vocab_size)
+    more = tok.encode(" The container must be sized.")
+    lp = s.read("b", more)
+    native = prefill(m, mx.array(ids[:-1])[None])
+    want = m(mx.array([[ids[-1]] + more[:-1]]), cache=native)[0]
+    want = want - mx.logsumexp(want, axis=-1, keepdims=True)
+    assert mx.abs(lp - want).max().item() < 1e-3
+    assert s.reports[-1].kind == "read" and s.reports[-1].translated == len(ids) - 2
+    with pytest.raises(KvlingoError, match="No model named 'c'"):
+        s.generate("c", "hi")
+    with pytest.raises(KvlingoError, match="already"):
+        s.add_model("a", m, tok)
+    with pytest.raises(KvlingoError, match="message"):
+        s.generate("a", [{"role": "user"}])
+    s.reset()
+    assert len(s.transcript) == 0 and s.transcript.processed == {"a": 0, "b": 0}
+    with pytest.raises(KvlingoError, match="Nothing to read"):
+        s.read("a", [])
+
+
+def test_models_must_share_a_tokenizer(target, tmp_path):
+    from mlx_kvlingo.toy import build_tokenizer, load_tokenizer
+
+    m, tok = target
+    docs = [("d", "Return the sum of a list of numbers. " * 20)]
+    build_tokenizer(docs, tmp_path, vocab_size=300)
+    other = load_tokenizer(tmp_path)
+    s = Session({"a": (m, tok)})
+    with pytest.raises(KvlingoError, match="tokenizer"):
+        s.add_model("b", m, other)
+
+
+def test_multiturn_fidelity_is_exact_with_exact_translators(target):
+    from mlx_kvlingo.multiturn import format_markdown, multiturn_fidelity
+
+    m, tok = target
+    text = ("Return a new list containing all items from the iterable in ascending order. "
+            "A custom key function can be supplied to customize the sort order, and the "
+            "reverse flag can be set to request the result in descending order. ") * 3
+    ids = tok.encode(text)
+    conv = [[ids[i * 12:(i + 1) * 12] for i in range(5)]]
+    models = {"a": (m, tok), "b": (m, tok)}
+    res = multiturn_fidelity(models, {("a", "b"): identity(m, tok), ("b", "a"): identity(m, tok)},
+                             conv)
+    assert set(res) == {"a", "b"}
+    for rows in res.values():
+        assert [r.turn for r in rows] == [1, 2, 3, 4]
+        assert rows[0].model != rows[1].model
+        for r in rows:
+            assert abs(r.nll_session - r.nll_native) < 1e-3 and r.kl < 1e-4 and r.top1 == 1.0
+            assert r.translated_tokens > 0
+    assert "| 4 |" in format_markdown(res)
+
+
+@pytest.fixture(scope="module")
+def kv_cache_dir(tmp_path_factory):
+    """A cache dir holding the built-in pair's stage-1 translators (fitted once per
+    test session, shared with the CLI and example tests)."""
+    path = tmp_path_factory.getbasetemp() / "kvlingo-cache"
+    builtin_session(cache_dir=path)
+    return path
+
+
+def test_builtin_session_switches_between_the_pair(kv_cache_dir, toy_pair):
+    src, stok, tgt, ttok = toy_pair
+    files = sorted((kv_cache_dir / "translators").glob("*.safetensors"))
+    assert len(files) == 2
+    again = stage1_translator(src, stok, tgt, ttok, kv_cache_dir)  # from the cache
+    assert again.spec.training["stage"] == 1
+    assert sorted((kv_cache_dir / "translators").glob("*.safetensors")) == files
+    s = builtin_session(cache_dir=kv_cache_dir)
+    assert s.model_names == ["small", "large"]
+    s.generate("small", "Return the sum of a list.", max_tokens=8)
+    r = s.generate("large", "Open a file.", max_tokens=8)
+    assert r.translated > 0 and not r.warnings and r.generated == 8
+
+
+def test_a_model_can_continue_when_the_template_adds_nothing(toy_pair_dirs):
+    """With a template that writes nothing after a message (no generation prompt),
+    a turn without a message makes the model re-read the last token itself, also
+    when it wrote that token (its cache is trimmed by one and the token re-read)."""
+    from mlx_kvlingo.models import load
+
+    m, tok = load(toy_pair_dirs[1])
+    tok._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    s = twin_session(m, tok)
+    s.generate("a", "Return the sum of the items.", max_tokens=4)
+    for name in ("b", "b", "a"):
+        before = len(s.transcript)
+        r = s.generate(name, None, max_tokens=4)
+        assert r.new_tokens == 0 and r.context_tokens == before
+        assert s.tokens[before:] == native_greedy(m, tok, s.tokens[:before], 4)
+        assert s.transcript.processed[name] == len(s.transcript)
