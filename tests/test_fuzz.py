@@ -92,3 +92,34 @@ def test_no_pickle_and_no_remote_code_anywhere():
         assert "import pickle" not in text and "pickle.load" not in text, path
         assert "torch.load" not in text and "np.load(" not in text, path
         assert "trust_remote_code=True" not in text, path
+
+
+def _valid_prompt_cache():
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    m = tiny_model("gemma3_text")
+    cache = make_prompt_cache(m)
+    m(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    p = Path("/tmp") / "kvlingo-fuzz-cache.safetensors"
+    save_prompt_cache(str(p), cache, {"model": "tiny"})
+    return p.read_bytes()
+
+
+VALID_CACHE = _valid_prompt_cache()
+
+
+@FUZZ
+@given(st.one_of(
+    st.binary(max_size=512),
+    st.tuples(st.integers(0, len(VALID_CACHE) - 1), st.binary(min_size=1, max_size=8)).map(
+        lambda t: VALID_CACHE[: t[0]] + t[1] + VALID_CACHE[t[0] + len(t[1]):]),
+))
+def test_prompt_cache_reader(tmp_path, data):
+    from mlx_kvlingo.prompt_cache import PromptCacheError, read_prompt_cache
+
+    p = tmp_path / "cache.safetensors"
+    p.write_bytes(data)
+    try:
+        read_prompt_cache(p)
+    except PromptCacheError:
+        pass
