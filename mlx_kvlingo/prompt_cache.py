@@ -80,6 +80,7 @@ def read_prompt_cache(path):
     path = Path(path)
     if not path.is_file():
         raise PromptCacheError(f"Prompt-cache file not found: {path}")
+    _check_cache_classes(path)
     try:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:
@@ -89,6 +90,28 @@ def read_prompt_cache(path):
     if not cache:
         raise PromptCacheError(f"{path} holds no layers.")
     return cache, metadata
+
+
+_CACHE_CLASSES = {"KVCache", "RotatingKVCache", "QuantizedKVCache"}
+
+
+def _check_cache_classes(path: Path):
+    """mlx-lm instantiates the class *named in the file*: allow only plain KV caches."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    try:
+        _, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        classes = tree_unflatten(list(meta.items()))[1]
+        names = list(classes.values()) if isinstance(classes, dict) else list(classes)
+    except Exception as e:
+        raise PromptCacheError(f"{path} is not an mlx-lm prompt-cache file ({e}).") from e
+    bad = [n for n in names if n not in _CACHE_CLASSES]
+    if bad:
+        raise PromptCacheError(
+            f"{path} names cache types {sorted(set(map(str, bad)))}; only "
+            f"{sorted(_CACHE_CLASSES)} are accepted."
+        )
 
 
 def _check_source_cache(source: nn.Module, cache: List, path: str):
