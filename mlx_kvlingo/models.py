@@ -235,50 +235,80 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # Rotary position in and out
 
 
-def _rope_input_scale(rope: nn.Module) -> float:
-    """Some rope variants scale their input as well as rotating it (yarn, longrope)."""
-    from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE
-
-    if isinstance(rope, YarnRoPE):
-        return rope.mscale
-    if isinstance(rope, SuScaledRoPE):
-        return rope._scale
-    return 1.0
-
-
 def _rotated_dims(rope: nn.Module, head_dim: int) -> int:
     return getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim
 
 
-def _flip_pairs(x: mx.array, rope: nn.Module) -> mx.array:
-    """Negate the second element of every rotation pair: P with P R(t) P = R(-t)."""
-    dims = _rotated_dims(rope, x.shape[-1])
+def rope_tables(rope: nn.Module, start: int, length: int, head_dim: int) -> mx.array:
+    """[length, head_dim] cos/sin tables of a rope module at positions start..,
+    read off the module itself by rotating a probe (ones on the first element of
+    every rotation pair). Whatever its frequencies, scaling (yarn / longrope input
+    scales are in the tables) or layout, applying them reproduces the module."""
+    dims = _rotated_dims(rope, head_dim)
     if getattr(rope, "traditional", False):
-        sign = mx.where(mx.arange(dims) % 2 == 1, -1.0, 1.0)
+        probe = (mx.arange(head_dim) % 2 == 0) & (mx.arange(head_dim) < dims)
     else:
-        sign = mx.where(mx.arange(dims) >= dims // 2, -1.0, 1.0)
-    if dims < x.shape[-1]:
-        sign = mx.concatenate([sign, mx.ones(x.shape[-1] - dims)])
-    return x * sign.astype(x.dtype)
+        probe = mx.arange(head_dim) < dims // 2
+    probe = mx.broadcast_to(probe.astype(mx.float32), (1, 1, length, head_dim))
+    return rope(probe, offset=start)[0, 0]
 
 
-def unrope(rope: nn.Module, keys: mx.array, start: int) -> mx.array:
-    """Exact inverse of ``rope(keys, offset=start)`` for any pure-rotation rope module.
+def apply_rope_tables(x: mx.array, tables: mx.array, rope: nn.Module, inverse=False):
+    """Rotate ``x`` [..., T, D] with :func:`rope_tables` (``inverse``: undo it, dividing
+    out any input scale: R(-t) / s² with s² = c² + s_²). A few elementwise ops,
+    several times faster than ``mx.fast.rope`` on the CPU."""
+    D = x.shape[-1]
+    dims = _rotated_dims(rope, D)
+    traditional = getattr(rope, "traditional", False)
+    if traditional:
+        c, s_ = tables[:, 0:dims:2], tables[:, 1:dims:2]
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    else:
+        h = dims // 2
+        c, s_ = tables[:, :h], tables[:, h:dims]
+        x1, x2 = x[..., :h], x[..., h:dims]
+    if inverse:
+        n = c * c + s_ * s_
+        c, s_ = c / n, -s_ / n
+    c, s_ = c.astype(x.dtype), s_.astype(x.dtype)
+    a, b = x1 * c - x2 * s_, x1 * s_ + x2 * c
+    if traditional:
+        out = mx.stack([a, b], axis=-1).reshape(*a.shape[:-1], dims)
+    else:
+        out = mx.concatenate([a, b], axis=-1)
+    return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < D else out
 
-    ``keys``: [..., T, head_dim], positions start .. start+T-1.
-    """
-    out = _flip_pairs(rope(_flip_pairs(keys, rope), offset=start), rope)
-    scale = _rope_input_scale(rope)
-    if scale != 1.0:
-        # rope(P x) = R(s * P x) scaled the rotated dims once more: divide twice.
-        dims = _rotated_dims(rope, keys.shape[-1])
-        out = out.at[..., :dims].multiply(1.0 / (scale * scale))
-    return out
+
+class RopeTables:
+    """Tables shared by the layers of one call whose rope settings are equal (most
+    models use one rope for every layer, gemma3 two)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = cache_geometry(model).layers
+        self._memo = {}
+
+    def __call__(self, layer: int, start: int, length: int, head_dim: int) -> mx.array:
+        key = (json.dumps(self.layers[layer].rope, sort_keys=True), start, length, head_dim)
+        if key not in self._memo:
+            rope = self.model.layers[layer].self_attn.rope
+            self._memo[key] = rope_tables(rope, start, length, head_dim)
+        return self._memo[key]
 
 
-def rerope(rope: nn.Module, keys: mx.array, start: int) -> mx.array:
+def unrope(rope: nn.Module, keys: mx.array, start: int, tables=None) -> mx.array:
+    """Exact inverse of ``rope(keys, offset=start)`` for any pure-rotation rope module
+    (input scales included). ``keys``: [..., T, head_dim], positions start.."""
+    if tables is None:
+        tables = rope_tables(rope, start, keys.shape[-2], keys.shape[-1])
+    return apply_rope_tables(keys, tables, rope, inverse=True)
+
+
+def rerope(rope: nn.Module, keys: mx.array, start: int, tables=None) -> mx.array:
     """Apply the layer's rope to content-space keys at positions start .. start+T-1."""
-    return rope(keys, offset=start)
+    if tables is None:
+        tables = rope_tables(rope, start, keys.shape[-2], keys.shape[-1])
+    return apply_rope_tables(keys, tables, rope)
 
 
 # ---------------------------------------------------------------------------
@@ -332,6 +362,7 @@ def cache_features(
     layers = range(len(cache)) if layers is None else layers
     ks, vs = [None] * len(cache), [None] * len(cache)
     must_match = span is None  # without a span, all layers must hold the same positions
+    tables = RopeTables(model)
     for i in layers:
         k, v, s = read_layer(cache[i])
         if k is None:
@@ -347,7 +378,8 @@ def cache_features(
                 "to get complete features."
             )
         k, v = k[..., lo - s : hi - s, :], v[..., lo - s : hi - s, :]
-        k = unrope(model.layers[i].self_attn.rope, k, lo)
+        rope = model.layers[i].self_attn.rope
+        k = unrope(rope, k, lo, tables(i, lo, k.shape[-2], k.shape[-1]))
         ks[i], vs[i] = _flatten_heads(k), _flatten_heads(v)
     return ks, vs, span[0]
 
@@ -401,6 +433,7 @@ def build_cache(
     """
     geometry = cache_geometry(model)
     dtype = cache_dtype(model)
+    tables = RopeTables(model)
     if cache is None:
         cache = make_prompt_cache(model)
     for i, (c, lg) in enumerate(zip(cache, geometry.layers)):
@@ -410,7 +443,9 @@ def build_cache(
             # Positions before the last `window` are never attended to again.
             k, v = k[:, -lg.window :], v[:, -lg.window :]
         k_start = start + T - k.shape[1]
-        k = rerope(model.layers[i].self_attn.rope, _split_heads(k, lg.n_kv_heads), k_start)
+        k = _split_heads(k, lg.n_kv_heads)
+        rope = model.layers[i].self_attn.rope
+        k = rerope(rope, k, k_start, tables(i, k_start, k.shape[-2], k.shape[-1]))
         v = _split_heads(v, lg.n_kv_heads)
         append_layer(c, k.astype(dtype), v.astype(dtype), start, start + T)
     return cache

@@ -155,7 +155,7 @@ def test_rerope_moves_keys_to_another_position(name, a, b):
     x = mx.random.normal((1, 2, 6, HEAD_DIM))
     moved = rerope(rope, unrope(rope, rope(x, offset=a), a), b)
     assert max_diff(moved, rope(x, offset=b)) < 2e-5
-    assert max_diff(rerope(rope, x, b), rope(x, offset=b)) == 0.0
+    assert max_diff(rerope(rope, x, b), rope(x, offset=b)) < 1e-5  # tables vs the module
 
 
 def test_unrope_keeps_dtype():
