@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models import build_cache, cache_features, prefill
+from .models import apply_rope_tables, build_cache, cache_features, prefill, rope_tables
 from .switch import switch
 from .translator import Translator
 
@@ -147,45 +147,9 @@ def profile_translate(source, target, translator, source_cache, tokens) -> Dict[
 
 
 # ---------------------------------------------------------------------------
-# A prototype of the faster translation proposed for models.py / switch.py. It
-# builds the same cache as ``switch.translate_cache`` and is timed beside it.
-
-
-def rope_tables(rope: nn.Module, start: int, length: int, head_dim: int) -> mx.array:
-    """[length, head_dim] cos/sin tables of a rope module at positions
-    start..start+length-1, read off the module itself by rotating a probe (ones on
-    the first element of every rotation pair): bit-identical to what the module
-    computes, whatever its frequencies, scaling or layout."""
-    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or head_dim
-    if getattr(rope, "traditional", False):
-        probe = (mx.arange(head_dim) % 2 == 0) & (mx.arange(head_dim) < dims)
-    else:
-        probe = mx.arange(head_dim) < dims // 2
-    probe = mx.broadcast_to(probe.astype(mx.float32), (1, 1, length, head_dim))
-    return rope(probe, offset=start)[0, 0]
-
-
-def apply_rope_tables(x: mx.array, tables: mx.array, rope: nn.Module, inverse=False):
-    """Rotate ``x`` [..., T, D] with tables from :func:`rope_tables` (or undo the
-    rotation, ``inverse=True``) with a few elementwise operations."""
-    D = x.shape[-1]
-    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None) or D
-    if getattr(rope, "traditional", False):
-        c, s_ = tables[:, 0:dims:2], tables[:, 1:dims:2]
-        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
-    else:
-        h = dims // 2
-        c, s_ = tables[:, :h], tables[:, h:dims]
-        x1, x2 = x[..., :h], x[..., h:dims]
-    if inverse:  # R(-t) / scale², scale² = c² + s²
-        n = c * c + s_ * s_
-        c, s_ = c / n, -s_ / n
-    a, b = x1 * c - x2 * s_, x1 * s_ + x2 * c
-    if getattr(rope, "traditional", False):
-        out = mx.stack([a, b], axis=-1).reshape(*a.shape[:-1], dims)
-    else:
-        out = mx.concatenate([a, b], axis=-1)
-    return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < D else out
+# The prototype of the faster translation, kept for comparison: both of its ideas
+# (memoized native prefix, rope tables shared across layers) are now in
+# switch.py / models.py, so its column should match translate_s.
 
 
 def proposed_translate(source, target, translator, source_cache, tokens, memo: dict):
