@@ -12,6 +12,8 @@ from typing import List, Optional
 import typer
 
 from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo_cli.common import fail as _fail
+from mlx_kvlingo_cli.common import run as _run
 
 app = typer.Typer(
     help="Translate KV caches between mlx-lm models, so a conversation can switch "
@@ -23,21 +25,6 @@ app = typer.Typer(
 
 CORPUS_HELP = ("'stdlib' (built in, offline), a .txt/.jsonl file or directory, "
                "or hf:OWNER/NAME (a hub dataset).")
-
-
-def _fail(message: str):
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(1)
-
-
-def _run(fn):
-    """Turn the package's own errors into a one-line message and exit status 1."""
-    try:
-        return fn()
-    except KvlingoError as e:
-        _fail(str(e))
-    except OSError as e:  # unwritable output, full disk, ...
-        _fail(f"{type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------------------

@@ -12,21 +12,8 @@ from typing import List, Optional
 import typer
 
 from mlx_kvlingo.errors import KvlingoError
-
-
-def _fail(message: str):
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(1)
-
-
-def _run(fn):
-    """The package's own errors (and OS errors) become one line and exit status 1."""
-    try:
-        return fn()
-    except KvlingoError as e:
-        _fail(str(e))
-    except OSError as e:
-        _fail(f"{type(e).__name__}: {e}")
+from mlx_kvlingo_cli.common import fail as _fail
+from mlx_kvlingo_cli.common import run as _run
 
 
 # ---------------------------------------------------------------------------

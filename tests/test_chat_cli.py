@@ -143,11 +143,13 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(kv_cache_dir):
     t.expect(r"\[large\] you> ")
     t.type("Go on.\n")
     t.expect(r"large> [\s\S]{40}")
+    time.sleep(0.5)  # let the answer's stream be running when the signal lands
     t.type("\x03")
     t.expect(r"\[stopped\]")
     m = t.expect(REPORT)  # large has read what small wrote before its stop
     assert m.group(1) == "large" and int(m.group(2)) > 0
     t.expect(r"\[large\] you> ")
+    time.sleep(0.5)  # the prompt is printed just before the input loop starts waiting
     t.type("\x03")  # Ctrl-C at the prompt leaves
     t.expect(r"Bye\.")
     assert t.wait() == 0
