@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .evaluate import MIN_CONTEXT_BENEFIT, continuation_logprobs
+from .evaluate import MIN_CONTEXT_BENEFIT, _kl, _nll, continuation_logprobs
 from .models import prefill
 from .session import Session
 from .translator import Translator
@@ -66,10 +66,6 @@ class _Sums:
     conversations: int = 0
 
 
-def _nll(logprobs, targets):
-    return -mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-
-
 def run_conversation(
     models: Mapping[str, Tuple[nn.Module, object]],
     translators: Mapping[Tuple[str, str], Translator],
@@ -93,7 +89,7 @@ def run_conversation(
         step = dict(
             native=_nll(native, seg).sum(), session=_nll(got, seg).sum(),
             none=_nll(none, seg).sum(),
-            kl=(mx.exp(native) * (native - got)).sum(-1).sum(),
+            kl=_kl(native, got).sum(),
             top1=(native.argmax(-1) == got.argmax(-1)).sum(),
         )
         mx.eval(step)

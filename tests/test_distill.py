@@ -52,8 +52,8 @@ def test_samples_depend_only_on_seed_and_step(tiny_pair):
     b = SharedTokens(stream, stream).step_samples(_config(), 5)
     c = SharedTokens(stream, stream).step_samples(_config(), 6)
     assert all(mx.array_equal(x[0], y[0]) for x, y in zip(a, b))
-    assert not all(mx.array_equal(x[0], y[0]) for x, y in zip(a, c) if x[0].shape == y[0].shape) \
-        or [x[0].shape for x in a] != [y[0].shape for y in c]
+    # Another step draws other windows.
+    assert [x[0].tolist() for x in a] != [y[0].tolist() for y in c]
 
 
 @pytest.mark.parametrize("rank, sig", [(0, signal.SIGINT), (4, signal.SIGINT), (0, signal.SIGTERM)])
