@@ -119,11 +119,17 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
-    sources_per_layer, native_prefix,
+    sources_per_layer, native_prefix, select_layers=None,
 ):
-    """Stage 1 with a progress bar; returns (translator, report)."""
+    """Stage 1 with a progress bar; returns (translator, report).
+
+    ``select_layers``: candidate numbers of source layers per map; each map then
+    reads its best-ranked source layers (single-layer R²) and the candidate with
+    the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
+    """
     from mlx_kvlingo import data
-    from mlx_kvlingo.fit import fit_features, fit_stage1
+    from mlx_kvlingo.fit import fit_features, fit_selected, fit_stage1
+    from mlx_kvlingo.models import token_features
     from mlx_kvlingo.samples import SharedTokens
     from mlx_kvlingo.translator import Translator
 
@@ -135,8 +141,33 @@ def fit_translator_cli(
     windows = max(tokens // context_len, 1)
     total = windows * (context_len - native_prefix)
     label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
+    all_layers = list(range(len(translator.spec.source.cache_geometry.layers)))
+
+    def shared_features(layers):
+        for tokens in data.token_windows(pair.train_stream, context_len, batch_size, windows):
+            sk, sv, _ = token_features(src, tokens, layers)
+            tk, tv, _ = token_features(tgt, tokens)
+            yield sk, sv, tk, tv
+
+    def choose(candidates):
+        """Index of the candidate with the lowest KL on a few held-out windows."""
+        items = pair.heldout(min(context_len, 512), 48, 8)
+        rows = pair.evaluate(src, tgt, candidates, items, min(context_len, 512))
+        for t, r in zip(candidates, rows):
+            typer.echo(f"  {t.spec.training['sources_per_layer']} source layers per map: "
+                       f"held-out KL {r.kl:.4f}, CBR {r.cbr:.1%}")
+        return min(range(len(rows)), key=lambda i: rows[i].kl)
+
     with typer.progressbar(length=total, label=label) as bar:
-        if isinstance(pair, SharedTokens):
+        shared = isinstance(pair, SharedTokens)
+        if select_layers:
+            features = (shared_features(all_layers) if shared else
+                        pair.fit_features(src, tgt, translator, windows, context_len,
+                                          layers=all_layers))
+            skip = native_prefix if shared else 0
+            translator, report = fit_selected(translator, features, select_layers, ridge,
+                                              choose, bar.update, skip)
+        elif shared:
             batches = data.token_windows(pair.train_stream, context_len, batch_size, windows)
             report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
         else:
@@ -144,6 +175,25 @@ def fit_translator_cli(
             report = fit_features(translator, features, ridge=ridge, progress=bar.update)
     translator.spec.training["corpus"] = corpus
     return translator, report
+
+
+SELECT_HELP = (
+    "Choose each map's source layers from data: comma-separated candidate counts "
+    "(e.g. 2,4,8); each map reads its best source layers by single-layer R², and the "
+    "count with the lowest held-out KL is kept. Default: --sources-per-layer adjacent layers."
+)
+
+
+def _counts(text: Optional[str]) -> Optional[list]:
+    if not text:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise KvlingoError(f"--select-layers takes counts >= 1, got {text!r}.")
+    return values
 
 
 @app.command()
@@ -158,6 +208,7 @@ def fit(
     ridge: float = typer.Option(1e-3, help="Ridge strength, relative to mean eigenvalue."),
     sources_per_layer: int = typer.Option(1, help="Source layers concatenated per map."),
     native_prefix: int = typer.Option(1, help="First tokens the target computes itself."),
+    select_layers: Optional[str] = typer.Option(None, help=SELECT_HELP),
 ):
     """Stage 1: fit a translator in closed form and write it to OUT."""
 
@@ -165,7 +216,7 @@ def fit(
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         translator, report = fit_translator_cli(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
-            sources_per_layer, native_prefix,
+            sources_per_layer, native_prefix, _counts(select_layers),
         )
         translator.save(out)
         r = report.to_dict()
@@ -192,7 +243,9 @@ def _int_list(text: str) -> list:
 
 
 def _print_progress(record: dict):
-    if "eval" in record:
+    if "message" in record:
+        typer.echo(f"  {record['message']}")
+    elif "eval" in record:
         e = record["eval"]
         typer.echo(
             f"  eval @ step {record['step']}: KL {e['kl']:.4f} (no context {e['kl_none']:.4f}), "
@@ -218,6 +271,7 @@ def train(
     fit_tokens: int = typer.Option(200_000, help="Stage 1: token positions to fit on."),
     ridge: float = typer.Option(1e-3),
     sources_per_layer: int = typer.Option(1),
+    select_layers: Optional[str] = typer.Option(None, help=SELECT_HELP),
     native_prefix: int = typer.Option(1, help="First tokens the target computes itself (0 = off)."),
     steps: int = typer.Option(500, help="Stage 2: optimizer steps."),
     lr: float = typer.Option(1e-4, help="Stage 2: peak learning rate (AdamW)."),
@@ -230,6 +284,17 @@ def train(
     eval_every: int = typer.Option(50),
     checkpoint_every: int = typer.Option(50),
     seed: int = typer.Option(0),
+    store_pool: int = typer.Option(
+        0, help="Stage 2: cache the frozen source/teacher passes of this many steps on "
+        "disk (OUT.store/) and train epochs over them; 0 = fresh samples every step."),
+    teacher_topk: int = typer.Option(
+        0, help="Stage 2: keep the teacher's top-k log-probs + one tail bucket (exact KL "
+        "over k+1 categories); 0 = full vocabulary."),
+    native_tail: int = typer.Option(
+        0, help="Stage 2: half the micro-batches have their last N context tokens "
+        "computed by the target itself, as a switch with --native-tail does."),
+    lr_scale: str = typer.Option(
+        "none", help="'rms': scale each map's step by its RMS (lr becomes relative)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
 ):
     """Train a translator: stage 1 (closed form) then stage 2 (distillation)."""
@@ -243,18 +308,20 @@ def train(
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
         config = RunConfig(
             DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
-                          accumulate=accumulate, rank=rank, seed=seed),
+                          accumulate=accumulate, rank=rank, seed=seed, lr_scale=lr_scale,
+                          native_tail=native_tail, teacher_topk=teacher_topk),
             context_lengths=tuple(_int_list(context_lengths)),
             continuation_len=continuation_len,
             eval_every=eval_every,
             checkpoint_every=checkpoint_every,
+            store_pool=store_pool,
         )
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         translator = None
         if stage in ("1", "both") and not resume:
             translator, report = fit_translator_cli(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
-                8, ridge, sources_per_layer, native_prefix,
+                8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
             )
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
@@ -270,7 +337,7 @@ def train(
         typer.echo(f"Stage 2: {steps} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
         summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
-                               progress=_print_progress)
+                               progress=_print_progress, corpus_id=corpus)
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")
@@ -292,9 +359,13 @@ def eval_cmd(
     context_lengths: str = typer.Option("128,256", help="Comma-separated context lengths."),
     continuation_len: int = typer.Option(64),
     windows: int = typer.Option(32, help="Held-out windows per context length."),
+    native_tail: str = typer.Option(
+        "0", help="Comma-separated numbers of last context tokens the target computes "
+        "itself on top of the translated cache (each is scored on the same windows)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
-    """Measure translators on held-out text: NLLs, CBR, KL, top-1 per context length."""
+    """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
+    over windows), KL, top-1 per context length."""
     from mlx_kvlingo.evaluate import format_table
     from mlx_kvlingo.translator import load_translator
 
@@ -304,18 +375,23 @@ def eval_cmd(
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         for t in translators:
             t.check_models(src, tgt, src_tok, tgt_tok)
+        tails = [int(x) for x in native_tail.split(",") if x.strip()]
+        if not tails or min(tails) < 0:
+            raise KvlingoError(f"--native-tail takes numbers >= 0, got {native_tail!r}.")
         pair = _pair_data(corpus, src_tok, tgt_tok)
-        rows = [[] for _ in translators]  # per translator, per context length
+        # One row list per (translator, tail), in evaluate's translator-major order.
+        rows = [[] for _ in translators for _ in tails]
         for c in lengths:
             items = pair.heldout(c, continuation_len, windows)
-            for r, f in zip(rows, pair.evaluate(src, tgt, translators, items, c)):
+            for r, f in zip(rows, pair.evaluate(src, tgt, translators, items, c, tails)):
                 r.append(f)
         entries = []
-        for path, t, r in zip(translator, translators, rows):
-            typer.echo(f"\n{path}:")
+        for i, r in enumerate(rows):
+            path, t, m = translator[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
+            typer.echo(f"\n{path} (native tail {m}):")
             typer.echo(format_table(r))
             entries.append({
-                "translator": str(path), "training": t.spec.training,
+                "translator": str(path), "training": t.spec.training, "native_tail": m,
                 "native_prefix": t.spec.native_prefix, "alignment": t.spec.alignment,
                 "results": {str(f.context_len): f.to_dict() for f in r},
             })

@@ -94,15 +94,23 @@ _DOC_CHARS = 4000  # plain text is grouped into documents of about this size
 
 
 def read_corpus(spec: str, tokenizer=None) -> List[Document]:
-    """Documents from ``spec``: ``stdlib`` (built in), a ``.txt`` / ``.jsonl`` file, a
+    """Documents from ``spec``: ``stdlib`` (built in), ``austen`` (Jane Austen's
+    novels, from Debian's registry; see prose.py), a ``.txt`` / ``.jsonl`` file, a
     directory of them, or ``hf:OWNER/NAME`` (a dataset repo on the hub, fetched
-    with huggingface-hub into its cache; honours ``HF_HUB_OFFLINE``).
+    with huggingface-hub into its cache; honours ``HF_HUB_OFFLINE``). Join several
+    with ``+`` for a mix (``stdlib+austen``).
 
     ``.jsonl`` lines hold ``{"text": ...}`` or ``{"messages": [{"role", "content"}]}``;
     chat messages are rendered with ``tokenizer``'s chat template when it has one.
     """
+    if "+" in spec:  # a mix: stdlib+austen+my.txt
+        return [d for part in spec.split("+") for d in read_corpus(part, tokenizer)]
     if spec == "stdlib":
         return stdlib_documents()
+    if spec == "austen":
+        from .prose import austen_documents
+
+        return austen_documents()
     if spec.startswith("hf:"):
         return _read_files(_hub_dataset_files(spec[3:]), tokenizer)
     path = Path(spec)
@@ -114,7 +122,7 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     if path.is_file():
         return _read_files([path], tokenizer)
     raise KvlingoError(
-        f"Corpus {spec!r} is not 'stdlib', an existing file or directory, or hf:OWNER/NAME."
+        f"Corpus {spec!r} is not 'stdlib', 'austen', an existing file or directory, or hf:OWNER/NAME."
     )
 
 

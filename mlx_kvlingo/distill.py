@@ -15,7 +15,7 @@ Two ways to train (``rank``):
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -39,6 +39,12 @@ class DistillConfig:
     accumulate: int = 2  # micro-batches per optimizer step
     rank: int = 0  # 0: train full maps; >0: frozen maps + low-rank correction
     seed: int = 0
+    # "rms": each map's step is scaled by its starting RMS, so lr is a relative rate
+    # (value maps are ~50x smaller than key maps; one absolute rate moves them far
+    # more). "none": one absolute rate for every entry.
+    lr_scale: str = "none"
+    native_tail: int = 0  # last context positions the target computes itself (odd micro-batches)
+    teacher_topk: int = 0  # 0: full-vocabulary teacher; k: top-k + tail
 
     def schedule(self):
         warm = max(int(self.steps * self.warmup), 1)
@@ -101,18 +107,46 @@ def _concat(xs):
 
 @dataclass
 class Batch:
-    """Everything a training step needs that does not depend on the maps."""
+    """Everything a training step needs that does not depend on the maps.
 
-    src_keys: List[Optional[mx.array]]  # per source layer, [B, n, width] (translated span)
+    The teacher is the target's log-probs over the continuation from its native
+    cache: the full vocabulary (``teacher_idx`` None), or its top-k entries with
+    their vocabulary ids; the rest of the mass is one "tail" category, so the KL
+    over those k+1 categories is exact (see :func:`kl_loss`).
+    """
+
+    src_keys: List[Optional[mx.array]]  # per source layer, [B, n, width]: positions n_native..C-2
     src_values: List[Optional[mx.array]]
     prefix: List[Tuple[mx.array, mx.array]]  # target's own K/V of the native prefix
-    inputs: mx.array  # [B, L]: context's last token + continuation[:-1]
-    teacher: mx.array  # [B, L, V] target log-probs from its native cache
+    context: mx.array  # [B, C] target token ids
+    continuation: mx.array  # [B, L]
+    teacher: mx.array  # [B, L, V] or [B, L, k] log-probs
     n_native: int
+    teacher_idx: Optional[mx.array] = None  # [B, L, k] vocabulary ids of `teacher`
+    native_tail: int = 0  # last context positions the target computes itself
 
     @property
     def tokens(self) -> int:
-        return self.inputs.size
+        return self.continuation.size
+
+    @property
+    def inputs(self) -> mx.array:
+        """What the target reads itself: the native tail, the context's last token and
+        the continuation but its last token."""
+        m = self.native_tail
+        return mx.concatenate([self.context[:, -1 - m :], self.continuation[:, :-1]], axis=1)
+
+    def with_native_tail(self, m: int) -> "Batch":
+        n_translated = self.context.shape[1] - 1 - self.n_native
+        return replace(self, native_tail=max(0, min(m, n_translated - 1)))
+
+    def with_teacher_topk(self, k: int) -> "Batch":
+        """The same batch with the teacher cut to its top-k (+ tail) entries."""
+        if not k or self.teacher_idx is not None:
+            return self
+        idx = mx.argpartition(-self.teacher, k - 1, axis=-1)[..., :k]
+        top = mx.take_along_axis(self.teacher, idx, axis=-1)
+        return replace(self, teacher=top, teacher_idx=idx.astype(mx.int32))
 
 
 def make_batch(source, target, translator: Translator, context, continuation) -> Batch:
@@ -141,31 +175,66 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     teacher_cache = prefill(target, context[:, :-1])
     logits = target(inputs, cache=teacher_cache).astype(mx.float32)
     teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    batch = Batch(src_k, src_v, prefix, inputs, teacher, n_native)
+    batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native)
     mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)
     return batch
 
 
 def translated_cache(target, maps, batch: Batch):
-    """The target cache built from the maps' output (differentiable in the maps)."""
+    """The target cache built from the maps' output (differentiable in the maps):
+    the native prefix, then the translated positions up to the native tail."""
     cache = make_prompt_cache(target)
     for c, (pk, pv) in zip(cache, batch.prefix):
         append_layer(c, pk, pv, 0, batch.n_native)
-    keys, values = maps(batch.src_keys, batch.src_values)
+    n = batch.context.shape[1] - 1 - batch.n_native - batch.native_tail
+    cut = lambda xs: [x[:, :n] if x is not None else None for x in xs]  # noqa: E731
+    keys, values = maps(cut(batch.src_keys), cut(batch.src_values))
     return build_cache(target, keys, values, start=batch.n_native, cache=cache)
 
 
 def kl_loss(maps, target, batch: Batch):
-    """Mean KL(native ‖ translated) per continuation token."""
+    """Mean KL(native ‖ translated) per continuation token.
+
+    With a top-k teacher the categories are its k tokens plus one tail holding the
+    rest of the mass, on both sides: exact for that partition, unlike plain
+    truncation (which drops the tail and biases the student).
+    """
     logits = target(batch.inputs, cache=translated_cache(target, maps, batch))
-    logits = logits.astype(mx.float32)
-    student = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    kl = (mx.exp(batch.teacher) * (batch.teacher - student)).sum(-1)
+    logits = logits[:, -batch.continuation.shape[1] :].astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    t = batch.teacher
+    if batch.teacher_idx is None:
+        return (mx.exp(t) * (t - (logits - lse))).sum(-1).mean()
+    s = mx.take_along_axis(logits, batch.teacher_idx, axis=-1) - lse
+    p = mx.exp(t)
+    kl = (p * (t - s)).sum(-1)
+    eps = 1e-7
+    p_tail = mx.maximum(1 - p.sum(-1), 0.0)
+    q_tail = mx.maximum(1 - mx.exp(s).sum(-1), eps)
+    kl = kl + p_tail * (mx.log(p_tail + eps) - mx.log(q_tail))
     return kl.mean()
 
 
 # ---------------------------------------------------------------------------
 # The optimizer step
+
+
+class RmsScaledAdamW(optim.AdamW):
+    """AdamW whose step on each tensor is scaled by that tensor's RMS at the start.
+
+    Adam's step is about ``lr`` per entry whatever the gradient's scale, so one rate
+    moves small tensors (value maps) relatively far more than large ones (key maps).
+    Scaling each tensor's step by its starting RMS makes ``lr`` a relative rate.
+    """
+
+    def init_single(self, parameter: mx.array, state: dict):
+        super().init_single(parameter, state)
+        state["rms"] = mx.sqrt(mx.mean(parameter.astype(mx.float32) ** 2))
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict):
+        new = super().apply_single(gradient, parameter, state)
+        return parameter + state["rms"].astype(parameter.dtype) * (new - parameter)
+
 
 
 class Distiller:
@@ -176,7 +245,11 @@ class Distiller:
         self.base = translator  # its spec says which source layers and prefix to use
         target.freeze()
         self.maps = LowRankMaps(translator, config.rank, config.seed) if config.rank else translator
-        self.optimizer = optim.AdamW(
+        if config.lr_scale not in ("none", "rms"):
+            raise ValueError(f"lr_scale must be 'none' or 'rms', not {config.lr_scale!r}")
+        # A low-rank correction starts at zero: there is no scale to keep.
+        scaled = config.lr_scale == "rms" and not config.rank
+        self.optimizer = (RmsScaledAdamW if scaled else optim.AdamW)(
             learning_rate=config.schedule(), weight_decay=config.weight_decay
         )
         self.optimizer.init(self.maps.trainable_parameters())
@@ -195,6 +268,12 @@ class Distiller:
         """
         total, grads = 0.0, None
         weight = sum(b.tokens for b in batches)
+        cfg = self.config
+        # Half the micro-batches train with the native tail, half without, so one
+        # set of maps serves switches with and without it.
+        batches = [b.with_teacher_topk(cfg.teacher_topk)
+                   .with_native_tail(cfg.native_tail if j % 2 else 0)
+                   for j, b in enumerate(batches)]
         for b in batches:
             loss, g = self._grad(self.maps, b)
             scale = b.tokens / weight

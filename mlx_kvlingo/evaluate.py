@@ -12,14 +12,16 @@ with native, and the context benefit retained
 CBR = (NLL_none − NLL_translated) / (NLL_none − NLL_native).
 """
 
-from dataclasses import asdict, dataclass
-from typing import Iterable, List
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .align import NATIVE, Alignment, identity_alignment
 from .models import prefill
-from .switch import translate_context
+from .switch import translate_aligned
 
 # CBR divides by the target's own context benefit; below this it is mostly noise.
 MIN_CONTEXT_BENEFIT = 0.5
@@ -35,6 +37,10 @@ class Fidelity:
     kl: float  # KL(native ‖ translated), nats per token
     kl_none: float  # KL(native ‖ no context), the naive baseline
     top1: float  # fraction of positions where argmax agrees with native
+    native_tail: int = 0  # last context tokens the target computed itself
+    # Per window: summed NLLs, KL and top-1 hits, and the token count, so intervals
+    # and paired differences can be bootstrapped over windows.
+    windows: List[dict] = field(default_factory=list, repr=False)
 
     @property
     def context_benefit(self) -> float:
@@ -49,14 +55,50 @@ class Fidelity:
     def cbr_meaningful(self) -> bool:
         return self.context_benefit >= MIN_CONTEXT_BENEFIT
 
+    def cbr_interval(self, level: float = 0.95, draws: int = 2000, seed: int = 0):
+        """Bootstrap interval of CBR over windows (CBR as a ratio of summed NLLs)."""
+        return bootstrap_interval([self], lambda rows: _cbr_of(rows[0]), level, draws, seed)
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        lo, hi = self.cbr_interval() if len(self.windows) > 1 else (float("nan"),) * 2
         d.update(
             cbr=self.cbr,
+            cbr_ci95=[lo, hi],
             context_benefit=self.context_benefit,
             cbr_meaningful=self.cbr_meaningful,
         )
         return d
+
+
+def _cbr_of(windows: Sequence[dict]) -> float:
+    none = sum(w["none"] for w in windows)
+    benefit = none - sum(w["native"] for w in windows)
+    return (none - sum(w["translated"] for w in windows)) / benefit if benefit else float("nan")
+
+
+def bootstrap_interval(rows: Sequence["Fidelity"], statistic, level=0.95, draws=2000, seed=0):
+    """Percentile bootstrap over windows, resampling the *same* windows for every
+    row (paired): ``statistic`` maps a list of per-row window lists to a number."""
+    n = len(rows[0].windows)
+    if any(len(r.windows) != n for r in rows):
+        raise ValueError("Paired bootstrap needs the same windows in every row.")
+    rng = random.Random(seed)
+    values = []
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        values.append(statistic([[r.windows[i] for i in pick] for r in rows]))
+    values.sort()
+    a = (1 - level) / 2
+    return values[int(a * draws)], values[min(int((1 - a) * draws), draws - 1)]
+
+
+def cbr_difference(a: "Fidelity", b: "Fidelity", level=0.95, draws=2000, seed=0):
+    """CBR(a) - CBR(b) and its paired bootstrap interval (a, b on identical windows)."""
+    lo, hi = bootstrap_interval(
+        [a, b], lambda rows: _cbr_of(rows[0]) - _cbr_of(rows[1]), level, draws, seed
+    )
+    return a.cbr - b.cbr, (lo, hi)
 
 
 def continuation_logprobs(model: nn.Module, context: mx.array, continuation: mx.array, cache):
@@ -78,11 +120,26 @@ def _kl(p_log: mx.array, q_log: mx.array) -> mx.array:
 class _Totals:
     """Per-token sums over scored continuations."""
 
-    def __init__(self):
+    def __init__(self, native_tail: int = 0):
         self.sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
         self.n = 0
+        self.native_tail = native_tail
+        self.windows: List[dict] = []
 
     def add(self, continuation, native, translated, none):
+        """Add one batch of windows (one row of the batch = one window)."""
+        per = dict(
+            native=_nll(native, continuation).sum(-1),
+            translated=_nll(translated, continuation).sum(-1),
+            none=_nll(none, continuation).sum(-1),
+            kl=_kl(native, translated).sum(-1),
+            top1=(native.argmax(-1) == translated.argmax(-1)).sum(-1),
+        )
+        mx.eval(per)
+        for b in range(continuation.shape[0]):
+            w = {k: v[b].item() for k, v in per.items()}
+            w["tokens"] = continuation.shape[1]
+            self.windows.append(w)
         step = dict(
             native=_nll(native, continuation).sum(),
             translated=_nll(translated, continuation).sum(),
@@ -109,6 +166,8 @@ class _Totals:
             kl=s["kl"] / n,
             kl_none=s["kl_none"] / n,
             top1=s["top1"] / n,
+            native_tail=self.native_tail,
+            windows=self.windows,
         )
 
 
@@ -124,10 +183,29 @@ def evaluate_translator(
     return evaluate_translators(source, target, [translator], windows, context_len)[0]
 
 
-def evaluate_translators(source, target, translators, windows, context_len: int) -> List[Fidelity]:
-    """Score several translators on the same windows; the native and no-context
-    passes are computed once per window."""
-    totals = [_Totals() for _ in translators]
+def with_native_tail(alignment: Alignment, end: int, m: int) -> Alignment:
+    """The alignment with target positions end-m..end-1 computed by the target itself
+    (the last context tokens before its decoding step)."""
+    if m <= 0:
+        return alignment
+    index = list(alignment.source_index)
+    for j in range(max(end - m, 0), end):
+        index[j] = NATIVE
+    return Alignment(alignment.source_tokens, alignment.target_tokens, index)
+
+
+def _variants(translators, native_tails: Sequence[int]) -> List[Tuple[object, int]]:
+    """Every translator with every native tail, translator-major."""
+    return [(t, m) for t in translators for m in native_tails]
+
+
+def evaluate_translators(
+    source, target, translators, windows, context_len: int, native_tails: Sequence[int] = (0,)
+) -> List[Fidelity]:
+    """Score several translators (each with each native tail) on the same windows;
+    the native and no-context passes are computed once per window."""
+    variants = _variants(translators, native_tails)
+    totals = [_Totals(m) for _, m in variants]
     for tokens in windows:
         context, continuation = tokens[:, :context_len], tokens[:, context_len:]
 
@@ -136,20 +214,25 @@ def evaluate_translators(source, target, translators, windows, context_len: int)
 
         native = logprobs(prefill(target, context[:, :-1]))
         none = logprobs(None)
-        for t, tot in zip(translators, totals):
-            translated = logprobs(translate_context(source, target, t, context))
-            tot.add(continuation, native, translated, none)
+        source_cache = prefill(source, context[:, :-1])
+        n = context.shape[1] - 1
+        for (t, m), tot in zip(variants, totals):
+            a = identity_alignment(context[0].tolist(), t.spec.native_prefix)
+            a = with_native_tail(a, n, m)
+            cache = translate_aligned(source, target, t, source_cache, None, a, n, context)
+            tot.add(continuation, native, logprobs(cache), none)
     return [t.result(context_len) for t in totals]
 
 
-def evaluate_aligned(source, target, translators, samples, context_len: int) -> List[Fidelity]:
-    """Score translators on :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with
-    different tokenizers, one sample at a time). The no-context baseline keeps the
-    target's leading special tokens (e.g. Gemma's BOS, without which it is off
-    distribution)."""
-    from .switch import translate_aligned
-
-    totals = [_Totals() for _ in translators]
+def evaluate_aligned(
+    source, target, translators, samples, context_len: int, native_tails: Sequence[int] = (0,)
+) -> List[Fidelity]:
+    """Score translators (each with each native tail) on
+    :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with different tokenizers,
+    one sample at a time). The no-context baseline keeps the target's leading
+    special tokens (e.g. Gemma's BOS, without which it is off distribution)."""
+    variants = _variants(translators, native_tails)
+    totals = [_Totals(m) for _, m in variants]
     for s in samples:
         context = mx.array(s.alignment.target_tokens)[None]
         continuation = mx.array(s.continuation)[None]
@@ -162,8 +245,9 @@ def evaluate_aligned(source, target, translators, samples, context_len: int) -> 
         none = logprobs(prefill(target, specials) if s.special_prefix else None)
         source_cache = prefill(source, mx.array(s.alignment.source_tokens)[None])
         n = context.shape[1] - 1
-        for t, tot in zip(translators, totals):
-            cache = translate_aligned(source, target, t, source_cache, None, s.alignment, n)
+        for (t, m), tot in zip(variants, totals):
+            a = with_native_tail(s.alignment, n, m)
+            cache = translate_aligned(source, target, t, source_cache, None, a, n)
             tot.add(continuation, native, logprobs(cache), none)
     return [t.result(context_len) for t in totals]
 
@@ -172,15 +256,17 @@ def format_table(rows: List[Fidelity]) -> str:
     """A plain-text table of fidelity rows, with a note where CBR is not meaningful."""
     head = (
         f"{'context':>7} {'tokens':>6} {'NLL native':>10} {'translated':>10} "
-        f"{'no context':>10} {'benefit':>7} {'CBR':>6} {'KL':>7} {'KL none':>7} {'top-1':>6}"
+        f"{'no context':>10} {'benefit':>7} {'CBR':>6} {'95% CI':>13} {'KL':>7} {'KL none':>7} "
+        f"{'top-1':>6} {'tail':>4}"
     )
     lines = [head]
     for r in rows:
         flag = "" if r.cbr_meaningful else " *"
+        ci = "{:.1%}..{:.1%}".format(*r.cbr_interval()) if len(r.windows) > 1 else "-"
         lines.append(
             f"{r.context_len:>7} {r.tokens:>6} {r.nll_native:>10.3f} {r.nll_translated:>10.3f} "
-            f"{r.nll_none:>10.3f} {r.context_benefit:>7.3f} {r.cbr:>6.1%} {r.kl:>7.3f} "
-            f"{r.kl_none:>7.3f} {r.top1:>6.1%}{flag}"
+            f"{r.nll_none:>10.3f} {r.context_benefit:>7.3f} {r.cbr:>6.1%} {ci:>13} {r.kl:>7.3f} "
+            f"{r.kl_none:>7.3f} {r.top1:>6.1%} {r.native_tail:>4}{flag}"
         )
     if any(not r.cbr_meaningful for r in rows):
         lines.append(

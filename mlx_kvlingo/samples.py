@@ -70,8 +70,9 @@ class SharedTokens:
         )
         return [w[i : i + 8] for i in range(0, count, 8)]
 
-    def evaluate(self, source, target, translators, items, context_len: int) -> List[Fidelity]:
-        return evaluate_translators(source, target, translators, items, context_len)
+    def evaluate(self, source, target, translators, items, context_len: int,
+                 native_tails=(0,)) -> List[Fidelity]:
+        return evaluate_translators(source, target, translators, items, context_len, native_tails)
 
 
 # ---------------------------------------------------------------------------
@@ -138,14 +139,17 @@ class AlignedText:
         return [self.sample(self.heldout_text, context_len, continuation_len, rng)
                 for _ in range(count)]
 
-    def evaluate(self, source, target, translators, items, context_len: int) -> List[Fidelity]:
-        return evaluate_aligned(source, target, translators, items, context_len)
+    def evaluate(self, source, target, translators, items, context_len: int,
+                 native_tails=(0,)) -> List[Fidelity]:
+        return evaluate_aligned(source, target, translators, items, context_len, native_tails)
 
-    def fit_features(self, source, target, translator, count: int, context_len: int, seed=0):
+    def fit_features(self, source, target, translator, count: int, context_len: int, seed=0,
+                     layers=None):
         """(source, target) feature pairs for the stage-1 fit: the target's translated
-        positions and the source features aligned to them."""
+        positions and the source features aligned to them (of the translator's source
+        layers, or of ``layers``)."""
         rng = random.Random(seed)
-        layers = translator.source_layers
+        layers = translator.source_layers if layers is None else layers
         for _ in range(count):
             s = self.sample(self.train_text, context_len, 1, rng)
             idx = s.alignment.with_native_prefix(translator.spec.native_prefix).source_index

@@ -38,6 +38,9 @@ class RunConfig:
     eval_windows: int = 16
     eval_context: Optional[int] = None  # default: the largest context bucket
     checkpoint_every: int = 50
+    # >0: cache the frozen passes of this many steps on disk (store.py) and cycle
+    # over them in epochs; 0: fresh samples at every step.
+    store_pool: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -77,6 +80,7 @@ def _paths(out: Path):
         "checkpoint": out.with_name(out.name + ".ckpt.safetensors"),
         "log": out.with_name(out.name + ".log.jsonl"),
         "plot": out.with_name(out.name + ".png"),
+        "store": out.with_name(out.name + ".store"),
     }
 
 
@@ -131,6 +135,7 @@ def train(
     config: RunConfig,
     resume: bool = False,
     progress: Optional[Callable[[dict], None]] = None,
+    corpus_id: str = "",
 ) -> dict:
     """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
 
@@ -155,6 +160,24 @@ def train(
         if paths["log"].exists():
             paths["log"].unlink()
 
+    store = None
+    if config.store_pool:
+        from .store import FeatureStore, corpus_digest, store_key
+
+        key = store_key(source, target, distiller.base, config,
+                        f"{corpus_id}:{corpus_digest(pair_data)}")
+        store = FeatureStore(paths["store"], key, config.store_pool,
+                             config.distill.teacher_topk,
+                             log=lambda m: progress and progress({"message": m}))
+
+    def step_batches(step: int):
+        if store is None:
+            return pair_data.step_batches(source, target, distiller.base, config, step)
+        return store.get(
+            store.pool_step(step, config.distill.seed),
+            lambda v: pair_data.step_batches(source, target, distiller.base, config, v),
+        )
+
     eval_context = config.eval_context or max(config.context_lengths)
     eval_items = pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)
 
@@ -174,7 +197,7 @@ def train(
                 progress(last_eval)
         while distiller.step < config.distill.steps:
             t0 = time.perf_counter()
-            batches = pair_data.step_batches(source, target, distiller.base, config, distiller.step)
+            batches = step_batches(distiller.step)
             t1 = time.perf_counter()
             loss, applied = distiller.train_step(batches)
             t2 = time.perf_counter()

@@ -175,12 +175,15 @@ class Translator(nn.Module):
 
     # -- files ---------------------------------------------------------------
 
-    def save(self, path):
-        """Write the translator atomically (temporary file, then rename)."""
+    def save(self, path, dtype: mx.Dtype = mx.float32):
+        """Write the translator atomically (temporary file, then rename); ``dtype``
+        float32 or float16 (half the size; loads back as float32)."""
+        if dtype not in (mx.float32, mx.float16):
+            raise ValueError("Translators are saved in float32 or float16.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays = dict(tree_flatten(self.parameters()))
-        arrays = {k: v.astype(mx.float32) for k, v in arrays.items()}
+        arrays = {k: v.astype(dtype) for k, v in arrays.items()}
         tmp = path.with_name(f".{path.name}.tmp.safetensors")
         try:
             mx.save_safetensors(str(tmp), arrays, {METADATA_KEY: self.spec.to_json()})
@@ -246,13 +249,16 @@ def load_translator(path) -> Translator:
             f"{path}: tensors do not match the metadata (missing {missing[:4]}, "
             f"unexpected {extra[:4]})."
         )
+    # All maps in float32, or all in float16 (shipped translators: half the size).
+    dtypes = [info.get("dtype") for info in tensors.values()]
+    want = dtypes[0] if dtypes and dtypes[0] in ("F32", "F16") and len(set(dtypes)) == 1 else "F32"
     for name, info in tensors.items():
-        if info.get("dtype") != "F32" or list(info.get("shape", [])) != list(
+        if info.get("dtype") != want or list(info.get("shape", [])) != list(
             expected[name].shape
         ):
             raise TranslatorFileError(
                 f"{path}: tensor {name} is {info.get('dtype')} {info.get('shape')}, "
-                f"expected F32 {list(expected[name].shape)}."
+                f"expected {want} {list(expected[name].shape)}."
             )
     try:
         arrays = mx.load(str(path), format="safetensors")
@@ -261,7 +267,7 @@ def load_translator(path) -> Translator:
     for name, a in arrays.items():
         if not mx.all(mx.isfinite(a)).item():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or inf.")
-    translator.load_weights(list(arrays.items()))
+    translator.load_weights([(k, v.astype(mx.float32)) for k, v in arrays.items()])
     mx.eval(translator.parameters())
     return translator
 

@@ -88,3 +88,54 @@ def test_stage1_between_different_models_beats_no_context(toy_pair):
     assert fitted.kl < 0.35 * zeroed.kl
     assert fitted.top1 > zeroed.top1
     assert fitted.nll_translated < fitted.nll_none
+
+
+def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
+    """Every layer subset is a sub-block of one Gram matrix: the maps chosen from it
+    equal maps fitted directly on the chosen layers."""
+    from mlx_kvlingo.fit import GramAccumulator, fit_selected
+
+    src, tgt = tiny_model("llama", seed=3), tiny_model("qwen3", seed=4)
+    t = Translator.for_models(src, tgt, native_prefix=1)
+    tokens = mx.random.randint(0, 97, (3, 48), key=mx.random.key(5))
+    sk, sv, _ = _features(src, tokens)
+    tk, tv, _ = _features(tgt, tokens)
+    chosen, report = fit_selected(t, [(sk, sv, tk, tv)], candidates=[2], ridge=1e-3, skip=1)
+    assert all(len(m) == 2 and m == sorted(m) for m in chosen.spec.layer_map)
+
+    direct = Translator(chosen.spec)  # same layer map, fitted the old way
+    acc = MomentAccumulator(direct)
+    acc.add(sk, sv, tk, tv, skip=1)
+    r2_k, r2_v = acc.solve(ridge=1e-3)
+    for a, b in zip(chosen.k_maps + chosen.v_maps, direct.k_maps + direct.v_maps):
+        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-4, atol=1e-5)
+    assert report.r2_keys == pytest.approx(r2_k, abs=1e-6)
+    assert report.r2_values == pytest.approx(r2_v, abs=1e-6)
+
+    # The ranking puts first the source layer that fits each target layer best alone.
+    gram = GramAccumulator([g.width for g in t.spec.source.cache_geometry.layers],
+                           [g.width for g in t.spec.target.cache_geometry.layers])
+    gram.add(sk, sv, tk, tv, skip=1)
+    for i, ranked in enumerate(gram.ranked_layers(1e-3)):
+        single = gram.single_layer_r2(i, 1e-3)
+        assert single[ranked[0]] == single.max()
+        assert ranked[0] in chosen.spec.layer_map[i]
+
+
+def test_layer_selection_keeps_the_candidate_the_chooser_picks():
+    from mlx_kvlingo.fit import fit_selected
+
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt)
+    tokens = mx.random.randint(0, 97, (2, 32), key=mx.random.key(6))
+    feats = [(*_features(src, tokens)[:2], *_features(tgt, tokens)[:2])]
+    seen = []
+
+    def choose(candidates):
+        seen.extend(len(c.spec.layer_map[0]) for c in candidates)
+        return 1
+
+    chosen, _ = fit_selected(t, feats, candidates=[1, 3], choose=choose)
+    assert seen == [1, 3]
+    assert all(len(m) == 3 for m in chosen.spec.layer_map)
+    assert chosen.spec.training["sources_per_layer"] == 3

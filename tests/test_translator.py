@@ -584,3 +584,23 @@ def test_header_byte_flips_raise_only_translator_file_errors(tmp_path):
         except TranslatorFileError:
             failures += 1
     assert failures > 50
+
+
+def test_float16_translator_files_load_as_float32(tmp_path):
+    """Shipped translators are float16 (half the size); they load back as float32 maps
+    equal to the float16-rounded originals."""
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt)
+    p = tmp_path / "half.safetensors"
+    t.save(p, dtype=mx.float16)
+    assert p.stat().st_size < 0.6 * _size_f32(t, tmp_path)
+    loaded = load_translator(p)
+    for a, b in zip(t.k_maps + t.v_maps, loaded.k_maps + loaded.v_maps):
+        assert b.weight.dtype == mx.float32
+        assert mx.array_equal(a.weight.astype(mx.float16).astype(mx.float32), b.weight)
+
+
+def _size_f32(t, tmp_path):
+    p = tmp_path / "full.safetensors"
+    t.save(p)
+    return p.stat().st_size
