@@ -119,7 +119,7 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
-    sources_per_layer, native_prefix, select_layers=None,
+    sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
 ):
     """Stage 1 with a progress bar; returns (translator, report).
 
@@ -165,8 +165,9 @@ def fit_translator_cli(
                         pair.fit_features(src, tgt, translator, windows, context_len,
                                           layers=all_layers))
             skip = native_prefix if shared else 0
-            translator, report = fit_selected(translator, features, select_layers, ridge,
-                                              choose, bar.update, skip)
+            extra = {f"adjacent{sources_per_layer}": translator.spec.layer_map}
+            translator, report, fitted = fit_selected(translator, features, select_layers, ridge,
+                                                      choose, bar.update, skip, extra)
         elif shared:
             batches = data.token_windows(pair.train_stream, context_len, batch_size, windows)
             report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
@@ -174,6 +175,11 @@ def fit_translator_cli(
             features = pair.fit_features(src, tgt, translator, windows, context_len)
             report = fit_features(translator, features, ridge=ridge, progress=bar.update)
     translator.spec.training["corpus"] = corpus
+    if select_layers and candidates_beside is not None:
+        for name, t in fitted.items():  # every candidate, for comparisons
+            t.spec.training["corpus"] = corpus
+            out = Path(candidates_beside)
+            t.save(out.with_name(f"{out.stem}.stage1-{name}.safetensors"))
     return translator, report
 
 
@@ -242,6 +248,44 @@ def _int_list(text: str) -> list:
     return values
 
 
+def _duration(text: str) -> float:
+    """Seconds from '1h', '45m', '90s', '1h30m' or a plain number of seconds."""
+    import re
+
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*"
+                         r"(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not parts or not any(parts.groups()):
+        raise KvlingoError(f"--budget takes a duration like 1h, 45m or 3600, not {text!r}.")
+    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
+    return h * 3600 + m * 60 + sec
+
+
+def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config) -> int:
+    from mlx_kvlingo.train import plan_steps, probe_step_cost
+
+    prepare_s, update_s, _ = probe_step_cost(src, tgt, translator, pair, config)
+    # The optimizer step and bookkeeping add to the gradient evaluation; evaluations
+    # during training cost about a step per window (none at --eval-every 0).
+    evals = (config.distill.steps // config.eval_every + 1) if config.eval_every else 0
+    eval_s = evals * config.eval_windows * (prepare_s + update_s) / max(
+        config.distill.batch_size * config.distill.accumulate, 1)
+    steps = plan_steps(budget_s, spent_s + prepare_s + update_s, prepare_s, 1.1 * update_s,
+                       config.store_pool, eval_s)
+    if config.store_pool:
+        steps = max(steps, 1)
+    typer.echo(f"Budget {budget_s / 60:.0f} min: {spent_s / 60:.1f} min spent; a step's frozen "
+               f"passes take {prepare_s:.1f}s and its update {update_s:.1f}s, so stage 2 runs "
+               f"{steps} steps" + (f" over a pool of {config.store_pool}" if config.store_pool else ""))
+    return steps
+
+
+def _checkpoint_steps(out: Path) -> int:
+    from mlx_kvlingo.train import load_checkpoint
+
+    _, info = load_checkpoint(Path(str(out) + ".ckpt.safetensors"))
+    return info["config"]["distill"]["steps"]
+
+
 def _print_progress(record: dict):
     if "message" in record:
         typer.echo(f"  {record['message']}")
@@ -295,6 +339,10 @@ def train(
         "computed by the target itself, as a switch with --native-tail does."),
     lr_scale: str = typer.Option(
         "none", help="'rms': scale each map's step by its RMS (lr becomes relative)."),
+    budget: Optional[str] = typer.Option(
+        None, help="Whole-run time budget (e.g. 1h, 45m, 3600): stage 2's step count is "
+        "chosen, after stage 1 and a timed probe step, so the run ends within it "
+        "(--steps is then ignored)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
 ):
     """Train a translator: stage 1 (closed form) then stage 2 (distillation)."""
@@ -304,6 +352,8 @@ def train(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        t_start = time.perf_counter()
+        budget_s = _duration(budget) if budget else None
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
         config = RunConfig(
@@ -322,6 +372,7 @@ def train(
             translator, report = fit_translator_cli(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
+                candidates_beside=out,
             )
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
@@ -334,7 +385,13 @@ def train(
             translator = load_translator(init or out)
             translator.check_models(src, tgt, src_tok, tgt_tok)
         pair = _pair_data(corpus, src_tok, tgt_tok)
-        typer.echo(f"Stage 2: {steps} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
+        if budget_s and resume:
+            config.distill.steps = _checkpoint_steps(out)
+        elif budget_s:
+            config.distill.steps = _budget_steps(budget_s, time.perf_counter() - t_start,
+                                                 src, tgt, translator, pair, config)
+        steps_ = config.distill.steps
+        typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
         summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
                                progress=_print_progress, corpus_id=corpus)

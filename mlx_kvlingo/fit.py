@@ -208,21 +208,31 @@ class GramAccumulator:
         return np.concatenate([np.arange(self.offsets[j], self.offsets[j + 1]) for j in layers])
 
     def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0):
+        """Add features ([B, T, width] per layer) of positions skip.. of every row.
+
+        Each batch's products are computed in float32 with MLX (this Gram is several
+        thousand columns wide: float64 numpy took minutes per 1k rows) and summed
+        into the float64 totals, so rounding does not grow with the corpus.
+        """
+
         def rows(x):
-            x = np.asarray(x[:, skip:].astype(mx.float32), dtype=np.float64)
+            x = x[:, skip:].astype(mx.float32)
             return x.reshape(-1, x.shape[-1])
 
+        def f64(a):
+            return np.asarray(a, dtype=np.float64)
+
         for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
-            x = np.concatenate([rows(f) for f in src], axis=1)
-            self.xtx[kind] += x.T @ x
-            for i, y in enumerate(tgt):
-                y = rows(y)
+            x = mx.concatenate([rows(f) for f in src], axis=1)
+            self.xtx[kind] += f64(x.T @ x)
+            ys = [rows(y) for y in tgt]
+            for i, y in enumerate(ys):
                 m = self.outputs[i][kind]
-                m.ytx += y.T @ x
-                m.y_sum += y.sum(0)
-                m.y_sq += (y * y).sum(0)
-                m.count += len(y)
-        self.count += len(x)
+                m.ytx += f64(y.T @ x)
+                m.y_sum += f64(y.astype(mx.float32).sum(0))
+                m.y_sq += f64((y * y).sum(0))
+                m.count += y.shape[0]
+        self.count += x.shape[0]
 
     def single_layer_r2(self, i: int, ridge: float) -> np.ndarray:
         """[n_source_layers]: mean of the K and V R² of target layer i's map from each
@@ -238,24 +248,22 @@ class GramAccumulator:
         """Per target layer, source layers from best to worst single-layer R²."""
         return [list(np.argsort(-self.single_layer_r2(i, ridge))) for i in range(len(self.outputs))]
 
-    def translator(self, spec: TranslatorSpec, ranked: List[List[int]], k: int,
+    def translator(self, spec: TranslatorSpec, layer_map: List[List[int]],
                    ridge: float) -> Tuple[Translator, FitReport]:
-        """A translator whose map for target layer i reads its top-k ranked source
-        layers (in layer order), solved in closed form from the shared moments."""
-        layer_map = [sorted(int(j) for j in r[:k]) for r in ranked]
-        t = Translator(replace(spec, layer_map=layer_map, training={}))
+        """A translator whose map for target layer i reads source layers
+        ``layer_map[i]``, solved in closed form from the shared moments."""
+        t = Translator(replace(spec, layer_map=[sorted(int(j) for j in m) for m in layer_map],
+                               training={}))
         report = FitReport(tokens=self.count)
-        for i, layers in enumerate(layer_map):
+        for i, layers in enumerate(t.spec.layer_map):
             cols = self.columns(layers)
             for kind, maps, r2 in (("k", t.k_maps, report.r2_keys), ("v", t.v_maps, report.r2_values)):
                 w, r = ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)
                 maps[i].weight = mx.array(w.astype(np.float32))
                 r2.append(r)
         mx.eval(t.parameters())
-        t.spec.training = {
-            "stage": 1, "method": "least squares, source layers chosen by single-layer R2",
-            "ridge": ridge, "sources_per_layer": k, "fit": report.to_dict(),
-        }
+        t.spec.training = {"stage": 1, "method": "least squares", "ridge": ridge,
+                           "fit": report.to_dict()}
         return t, report
 
 
@@ -267,7 +275,8 @@ def fit_selected(
     choose: Optional[Callable[[List[Translator]], int]] = None,
     progress: Optional[Callable[[int], None]] = None,
     skip: int = 0,
-) -> Tuple[Translator, FitReport]:
+    extra: Optional[Dict[str, List[List[int]]]] = None,
+) -> Tuple[Translator, FitReport, Dict[str, Translator]]:
     """Stage 1 with each map's source layers chosen from data.
 
     ``features`` yields (source K, source V, target K, target V) with *every* source
@@ -275,7 +284,10 @@ def fit_selected(
     together); for each k in ``candidates`` the top-k layers are fitted from the
     same moments, and ``choose`` (e.g. held-out KL) picks one — R² itself does not
     predict how much of the context a translation keeps. ``translator`` supplies the
-    pair's identity and settings; its layer map is replaced.
+    pair's identity and settings; its layer map is replaced. ``extra``: more layer
+    maps to fit from the same moments (e.g. adjacent layers, for comparison).
+
+    Returns (chosen translator, its report, every fitted translator by name).
     """
     t0 = time.perf_counter()
     geo_s = translator.spec.source.cache_geometry.layers
@@ -287,10 +299,18 @@ def fit_selected(
         if progress is not None:
             progress(acc.count - before)
     ranked = acc.ranked_layers(ridge)
-    fitted = [acc.translator(translator.spec, ranked, k, ridge) for k in candidates]
-    best = choose([t for t, _ in fitted]) if choose and len(fitted) > 1 else 0
-    t, report = fitted[best]
+    fitted = {}
+    for k in candidates:
+        t, report = acc.translator(translator.spec, [r[:k] for r in ranked], ridge)
+        t.spec.training.update(method="least squares, source layers chosen by single-layer R2",
+                               sources_per_layer=k)
+        fitted[f"top{k}"] = (t, report)
+    for name, layer_map in (extra or {}).items():
+        fitted[name] = acc.translator(translator.spec, layer_map, ridge)
+    names = [f"top{k}" for k in candidates]
+    best = choose([fitted[n][0] for n in names]) if choose and len(names) > 1 else 0
+    t, report = fitted[names[best]]
     report.seconds = time.perf_counter() - t0
     t.spec.training["fit"] = report.to_dict()
     t.spec.training["candidates"] = list(candidates)
-    return t, report
+    return t, report, {n: f[0] for n, f in fitted.items()}

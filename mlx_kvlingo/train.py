@@ -73,6 +73,47 @@ class StopRequested:
             signal.signal(sig, old)
 
 
+def plan_steps(budget_s: float, spent_s: float, prepare_s: float, update_s: float,
+               pool: int, eval_s: float = 0.0) -> int:
+    """Optimizer steps that fit what is left of a time budget.
+
+    A stored run pays ``prepare_s`` (the frozen passes) once per pool step, then
+    ``update_s`` per step; a run without a store (``pool`` 0) pays both every step.
+    """
+    left = budget_s - spent_s - eval_s
+    if pool:
+        left -= pool * prepare_s
+        steps = left / update_s
+    else:
+        steps = left / (prepare_s + update_s)
+    if steps < 1:
+        raise KvlingoError(
+            f"The time budget ({budget_s / 60:.0f} min) leaves no time for stage 2: "
+            f"{spent_s / 60:.1f} min are spent and a step costs about "
+            f"{prepare_s + update_s:.1f}s. Give a longer budget or a smaller --store-pool."
+        )
+    return int(steps)
+
+
+def probe_step_cost(source, target, translator, pair_data, config: RunConfig):
+    """Seconds for one step's frozen passes and for one gradient evaluation, measured
+    on the step the run starts with (its batches are returned for reuse)."""
+    from .distill import kl_loss
+
+    t0 = time.perf_counter()
+    batches = pair_data.step_batches(source, target, translator, config, 0)
+    t1 = time.perf_counter()
+    d = config.distill
+    import mlx.nn as nn
+
+    target.freeze()
+    grad = nn.value_and_grad(translator, lambda m, b: kl_loss(m, target, b))
+    for j, b in enumerate(batches):
+        b = b.with_teacher_topk(d.teacher_topk).with_native_tail(d.native_tail if j % 2 else 0)
+        mx.eval(grad(translator, b))
+    return t1 - t0, time.perf_counter() - t1, batches
+
+
 def _paths(out: Path):
     out = Path(out)
     return {

@@ -100,17 +100,18 @@ def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
     tokens = mx.random.randint(0, 97, (3, 48), key=mx.random.key(5))
     sk, sv, _ = _features(src, tokens)
     tk, tv, _ = _features(tgt, tokens)
-    chosen, report = fit_selected(t, [(sk, sv, tk, tv)], candidates=[2], ridge=1e-3, skip=1)
+    chosen, report, _ = fit_selected(t, [(sk, sv, tk, tv)], candidates=[2], ridge=1e-3, skip=1)
     assert all(len(m) == 2 and m == sorted(m) for m in chosen.spec.layer_map)
 
     direct = Translator(chosen.spec)  # same layer map, fitted the old way
     acc = MomentAccumulator(direct)
     acc.add(sk, sv, tk, tv, skip=1)
     r2_k, r2_v = acc.solve(ridge=1e-3)
+    # (The shared Gram sums float32 per-batch products; the direct fit is float64.)
     for a, b in zip(chosen.k_maps + chosen.v_maps, direct.k_maps + direct.v_maps):
-        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-4, atol=1e-5)
-    assert report.r2_keys == pytest.approx(r2_k, abs=1e-6)
-    assert report.r2_values == pytest.approx(r2_v, abs=1e-6)
+        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-3, atol=1e-4)
+    assert report.r2_keys == pytest.approx(r2_k, abs=1e-4)
+    assert report.r2_values == pytest.approx(r2_v, abs=1e-4)
 
     # The ranking puts first the source layer that fits each target layer best alone.
     gram = GramAccumulator([g.width for g in t.spec.source.cache_geometry.layers],
@@ -135,7 +136,10 @@ def test_layer_selection_keeps_the_candidate_the_chooser_picks():
         seen.extend(len(c.spec.layer_map[0]) for c in candidates)
         return 1
 
-    chosen, _ = fit_selected(t, feats, candidates=[1, 3], choose=choose)
+    chosen, _, every = fit_selected(t, feats, candidates=[1, 3], choose=choose,
+                                   extra={"adjacent": t.spec.layer_map})
+    assert set(every) == {"top1", "top3", "adjacent"}
+    assert every["adjacent"].spec.layer_map == t.spec.layer_map
     assert seen == [1, 3]
     assert all(len(m) == 3 for m in chosen.spec.layer_map)
     assert chosen.spec.training["sources_per_layer"] == 3

@@ -186,3 +186,25 @@ def test_rms_scaled_adamw_moves_each_tensor_by_the_same_relative_amount():
            for k in params}
     assert rel["big"] == pytest.approx(rel["small"], rel=1e-3)
     assert rel["big"] > 0
+
+
+def test_budget_plans_steps_from_measured_costs():
+    from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo.train import plan_steps
+
+    # Stored: the pool's frozen passes once, then updates only.
+    assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=60) == (3600 - 600 - 600) // 2
+    # Fresh samples: both costs every step.
+    assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=0) == 3000 // 12
+    with pytest.raises(KvlingoError, match="budget"):
+        plan_steps(600, 590, prepare_s=10, update_s=2, pool=60)
+
+
+def test_budget_and_duration_parsing_in_the_cli():
+    from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo_cli.main import _duration
+
+    assert [_duration(t) for t in ("1h", "45m", "1h30m", "90s", "3600")] == [
+        3600, 2700, 5400, 90, 3600]
+    with pytest.raises(KvlingoError, match="duration"):
+        _duration("soon")
