@@ -38,6 +38,10 @@ class Fidelity:
     kl_none: float  # KL(native ‖ no context), the naive baseline
     top1: float  # fraction of positions where argmax agrees with native
     native_tail: int = 0  # last context tokens the target computed itself
+    # Per target layer: cosine between the attention outputs for the continuation
+    # with the native and with the translated context K/V, same queries (a better
+    # predictor of retention than R², DESIGN §7). Mean over tokens and windows.
+    attention_cosine: List[float] = field(default_factory=list)
     # Per window: summed NLLs, KL and top-1 hits, and the token count, so intervals
     # and paired differences can be bootstrapped over windows.
     windows: List[dict] = field(default_factory=list, repr=False)
@@ -55,6 +59,15 @@ class Fidelity:
     def cbr_meaningful(self) -> bool:
         return self.context_benefit >= MIN_CONTEXT_BENEFIT
 
+    @property
+    def attention_cosine_mean(self) -> float:
+        c = self.attention_cosine
+        return sum(c) / len(c) if c else float("nan")
+
+    @property
+    def attention_cosine_worst(self) -> float:
+        return min(self.attention_cosine) if self.attention_cosine else float("nan")
+
     def cbr_interval(self, level: float = 0.95, draws: int = 2000, seed: int = 0):
         """Bootstrap interval of CBR over windows (CBR as a ratio of summed NLLs)."""
         return bootstrap_interval([self], lambda rows: _cbr_of(rows[0]), level, draws, seed)
@@ -65,6 +78,8 @@ class Fidelity:
         d.update(
             cbr=self.cbr,
             cbr_ci95=[lo, hi],
+            attention_cosine_mean=self.attention_cosine_mean,
+            attention_cosine_worst=self.attention_cosine_worst,
             context_benefit=self.context_benefit,
             cbr_meaningful=self.cbr_meaningful,
         )
@@ -125,6 +140,14 @@ class _Totals:
         self.n = 0
         self.native_tail = native_tail
         self.windows: List[dict] = []
+        self.cosine_sum: Optional[List[float]] = None
+        self.cosine_n = 0
+
+    def add_cosine(self, per_layer: List[float]):
+        if self.cosine_sum is None:
+            self.cosine_sum = [0.0] * len(per_layer)
+        self.cosine_sum = [a + b for a, b in zip(self.cosine_sum, per_layer)]
+        self.cosine_n += 1
 
     def add(self, continuation, native, translated, none):
         """Add one batch of windows (one row of the batch = one window)."""
@@ -168,6 +191,7 @@ class _Totals:
             top1=s["top1"] / n,
             native_tail=self.native_tail,
             windows=self.windows,
+            attention_cosine=[c / self.cosine_n for c in self.cosine_sum or []],
         )
 
 
@@ -181,6 +205,49 @@ def evaluate_translator(
     """Score ``translator`` on token windows [B, T] (T > context_len) read identically
     by both models."""
     return evaluate_translators(source, target, [translator], windows, context_len)[0]
+
+
+class _AttentionRecorder(nn.Module):
+    """Stands in for a layer's ``self_attn`` and records its inputs and output."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.calls = []
+
+    def __call__(self, x, mask=None, cache=None):
+        out = self.inner(x, mask, cache)
+        self.calls.append((x, mask, out))
+        return out
+
+
+def native_attention(target, context, continuation, cache):
+    """Continuation log-probs from ``cache`` (the target's native cache of the
+    context), and each layer's attention (input, mask, output) on the way."""
+    layers = target.layers
+    recorders = [_AttentionRecorder(layer.self_attn) for layer in layers]
+    for layer, r in zip(layers, recorders):
+        layer.self_attn = r
+    try:
+        logprobs = continuation_logprobs(target, context, continuation, cache)
+        mx.eval(logprobs, [r.calls[-1][2] for r in recorders])
+    finally:
+        for layer, r in zip(layers, recorders):
+            layer.self_attn = r.inner
+    return logprobs, [r.calls[-1] for r in recorders]
+
+
+def attention_cosine(target, recorded, cache) -> List[float]:
+    """Per layer, the mean cosine between the recorded native attention output and
+    the output of the same queries (the recorded inputs) over ``cache``'s K/V."""
+    out = []
+    for layer, c, (x, mask, native) in zip(target.layers, cache, recorded):
+        other = layer.self_attn(x, mask, c)
+        num = (native * other).sum(-1)
+        den = mx.sqrt((native * native).sum(-1) * (other * other).sum(-1)) + 1e-12
+        out.append((num / den).mean())
+    mx.eval(out)
+    return [v.item() for v in out]
 
 
 def with_native_tail(alignment: Alignment, end: int, m: int) -> Alignment:
@@ -212,15 +279,20 @@ def evaluate_translators(
         def logprobs(cache):
             return continuation_logprobs(target, context, continuation, cache)
 
-        native = logprobs(prefill(target, context[:, :-1]))
+        native, recorded = native_attention(
+            target, context, continuation, prefill(target, context[:, :-1]))
         none = logprobs(None)
         source_cache = prefill(source, context[:, :-1])
         n = context.shape[1] - 1
         for (t, m), tot in zip(variants, totals):
             a = identity_alignment(context[0].tolist(), t.spec.native_prefix)
             a = with_native_tail(a, n, m)
-            cache = translate_aligned(source, target, t, source_cache, None, a, n, context)
-            tot.add(continuation, native, logprobs(cache), none)
+
+            def translated():
+                return translate_aligned(source, target, t, source_cache, None, a, n, context)
+
+            tot.add(continuation, native, logprobs(translated()), none)
+            tot.add_cosine(attention_cosine(target, recorded, translated()))
     return [t.result(context_len) for t in totals]
 
 
@@ -240,15 +312,20 @@ def evaluate_aligned(
         def logprobs(cache):
             return continuation_logprobs(target, context, continuation, cache)
 
-        native = logprobs(prefill(target, context[:, :-1]))
+        native, recorded = native_attention(
+            target, context, continuation, prefill(target, context[:, :-1]))
         specials = context[:, : s.special_prefix]
         none = logprobs(prefill(target, specials) if s.special_prefix else None)
         source_cache = prefill(source, mx.array(s.alignment.source_tokens)[None])
         n = context.shape[1] - 1
         for (t, m), tot in zip(variants, totals):
             a = with_native_tail(s.alignment, n, m)
-            cache = translate_aligned(source, target, t, source_cache, None, a, n)
-            tot.add(continuation, native, logprobs(cache), none)
+
+            def translated():
+                return translate_aligned(source, target, t, source_cache, None, a, n)
+
+            tot.add(continuation, native, logprobs(translated()), none)
+            tot.add_cosine(attention_cosine(target, recorded, translated()))
     return [t.result(context_len) for t in totals]
 
 
@@ -257,7 +334,7 @@ def format_table(rows: List[Fidelity]) -> str:
     head = (
         f"{'context':>7} {'tokens':>6} {'NLL native':>10} {'translated':>10} "
         f"{'no context':>10} {'benefit':>7} {'CBR':>6} {'95% CI':>13} {'KL':>7} {'KL none':>7} "
-        f"{'top-1':>6} {'tail':>4}"
+        f"{'top-1':>6} {'tail':>4} {'attn cos':>8} {'worst':>6}"
     )
     lines = [head]
     for r in rows:
@@ -266,7 +343,8 @@ def format_table(rows: List[Fidelity]) -> str:
         lines.append(
             f"{r.context_len:>7} {r.tokens:>6} {r.nll_native:>10.3f} {r.nll_translated:>10.3f} "
             f"{r.nll_none:>10.3f} {r.context_benefit:>7.3f} {r.cbr:>6.1%} {ci:>13} {r.kl:>7.3f} "
-            f"{r.kl_none:>7.3f} {r.top1:>6.1%} {r.native_tail:>4}{flag}"
+            f"{r.kl_none:>7.3f} {r.top1:>6.1%} {r.native_tail:>4} "
+            f"{r.attention_cosine_mean:>8.3f} {r.attention_cosine_worst:>6.3f}{flag}"
         )
     if any(not r.cbr_meaningful for r in rows):
         lines.append(

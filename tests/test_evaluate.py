@@ -1,0 +1,70 @@
+"""Fidelity measurement: native tails, attention-output cosine, bootstrap intervals
+and paired differences."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_kvlingo.evaluate import cbr_difference, evaluate_translators
+from mlx_kvlingo.translator import Translator
+
+from tiny import tiny_model
+
+
+def _identity(m):
+    t = Translator.for_models(m, m)
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.eye(lin.weight.shape[0])
+    return t
+
+
+def _zero(m):
+    t = Translator.for_models(m, m)
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.zeros_like(lin.weight)
+    return t
+
+
+def _windows(n=6, length=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, 97, (2, length)))  for _ in range(n // 2)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_identity_is_native_and_zero_maps_are_not(arch):
+    m = tiny_model(arch, seed=1)
+    ident, zero = evaluate_translators(m, m, [_identity(m), _zero(m)], _windows(), 30)
+    assert len(ident.windows) == 6 and ident.tokens == 60
+    assert ident.kl < 1e-6 and ident.top1 == 1.0
+    assert ident.attention_cosine == pytest.approx([1.0] * len(m.layers), abs=1e-4)
+    assert zero.kl > 1e-3
+    assert zero.attention_cosine_worst < 0.999
+    assert zero.attention_cosine_mean < ident.attention_cosine_mean
+
+
+def test_native_tail_variants_are_scored_on_the_same_windows():
+    m = tiny_model("qwen3", seed=2)
+    rows = evaluate_translators(m, m, [_zero(m)], _windows(), 30, native_tails=(0, 8, 28))
+    assert [r.native_tail for r in rows] == [0, 8, 28]
+    # Same windows: the native and no-context NLLs are identical across variants.
+    for r in rows[1:]:
+        assert [w["native"] for w in r.windows] == [w["native"] for w in rows[0].windows]
+        assert [w["none"] for w in r.windows] == [w["none"] for w in rows[0].windows]
+    # Computing more of the context natively brings the zero maps closer to native.
+    assert rows[2].kl < rows[1].kl < rows[0].kl
+
+
+def test_bootstrap_interval_and_paired_difference():
+    m = tiny_model("qwen2", seed=3)
+    a, b = evaluate_translators(m, m, [_zero(m)], _windows(8), 30, native_tails=(0, 12))
+    lo, hi = a.cbr_interval()
+    assert lo <= a.cbr <= hi and lo < hi
+    d, (dlo, dhi) = cbr_difference(a, a)
+    assert d == 0 and dlo == 0 and dhi == 0
+    d, (dlo, dhi) = cbr_difference(b, a)
+    assert d == pytest.approx(b.cbr - a.cbr) and dlo <= d <= dhi
+    # Paired resampling: the difference's interval is narrower than the naive sum of
+    # the two intervals' half-widths when the rows share their windows.
+    assert (dhi - dlo) < (hi - lo) + (b.cbr_interval()[1] - b.cbr_interval()[0])
+    d_json = a.to_dict()
+    assert d_json["cbr_ci95"] == [lo, hi] and len(d_json["windows"]) == 8
