@@ -561,11 +561,29 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     return out
 
 
+def _translator_for(source: str, target: str, given: Optional[Path]):
+    """The translator a command was given, or the one shipped for the pair."""
+    from mlx_kvlingo.shipped import SHIPPED, shipped_translator
+
+    if given is not None:
+        return given
+    shipped = shipped_translator(source, target)
+    if shipped is None:
+        pairs = ", ".join(f"--source {s} --target {t}" for s, t in SHIPPED)
+        raise KvlingoError(
+            "Give --translator: translators ship only for the real pair fetched by "
+            f"`mlx-kvlingo fetch-models` ({pairs})."
+        )
+    return shipped
+
+
 @app.command("switch")
 def switch_cmd(
     source: str = typer.Option(..., help="Model that reads the context."),
     target: str = typer.Option(..., help="Model that answers."),
-    translator: Path = typer.Option(..., help="Translator file for source -> target."),
+    translator: Optional[Path] = typer.Option(
+        None, help="Translator file for source -> target (default: the shipped one, for "
+        "--source smollm2 --target gemma3 and back)."),
     prompt: Optional[str] = typer.Option(None, help="The context / question."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
     max_tokens: int = typer.Option(64),
@@ -579,7 +597,7 @@ def switch_cmd(
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
         text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-        t = load_translator(translator)
+        t = load_translator(_translator_for(source, target, translator))
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         t.check_models(src, tgt, src_tok, tgt_tok)
         if t.cross_tokenizer:

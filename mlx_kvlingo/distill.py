@@ -24,7 +24,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from .models import append_layer, build_cache, prefill, read_layer, token_features
+from .models import append_layer, build_cache, last_logits, prefill, read_layer, token_features
 from .translator import Translator
 
 
@@ -199,8 +199,9 @@ def kl_loss(maps, target, batch: Batch):
     rest of the mass, on both sides: exact for that partition, unlike plain
     truncation (which drops the tail and biases the student).
     """
-    logits = target(batch.inputs, cache=translated_cache(target, maps, batch))
-    logits = logits[:, -batch.continuation.shape[1] :].astype(mx.float32)
+    keep = batch.continuation.shape[1]
+    logits = last_logits(target, batch.inputs, translated_cache(target, maps, batch), keep)
+    logits = logits.astype(mx.float32)
     lse = mx.logsumexp(logits, axis=-1, keepdims=True)
     t = batch.teacher
     if batch.teacher_idx is None:

@@ -423,6 +423,22 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
     return cache
 
 
+def last_logits(model: nn.Module, inputs: mx.array, cache, keep: int) -> mx.array:
+    """The model's logits for the last ``keep`` of ``inputs`` only.
+
+    The LM head is the largest matmul of a small model over a large vocabulary
+    (Gemma 3: 262k rows); positions whose predictions are not needed (a native
+    tail read before the scored continuation) skip it.
+    """
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "embed_tokens"):
+        return model(inputs, cache=cache)[:, -keep:]
+    hidden = body(inputs, cache)[:, -keep:]
+    if "lm_head" in model:  # an untied head (nn.Module children are dict keys)
+        return model.lm_head(hidden)
+    return body.embed_tokens.as_linear(hidden)
+
+
 def token_features(model: nn.Module, tokens: mx.array, layers=None):
     """Content-space K/V features of ``tokens`` from a fresh one-pass prefill."""
     return cache_features(model, prefill(model, tokens), layers)

@@ -208,3 +208,18 @@ def test_budget_and_duration_parsing_in_the_cli():
         3600, 2700, 5400, 90, 3600]
     with pytest.raises(KvlingoError, match="duration"):
         _duration("soon")
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", True), ("llama", False), ("qwen3", True),
+                                        ("gemma3_text", True)])
+def test_last_logits_equal_the_full_forward(arch, tied):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvlingo.models import last_logits
+
+    m = tiny_model(arch, seed=5, tie_word_embeddings=tied)
+    assert ("lm_head" in m) != tied
+    x = mx.array(np.random.default_rng(1).integers(0, 97, (2, 12)))
+    full = m(x, cache=make_prompt_cache(m))[:, -5:]
+    part = last_logits(m, x, make_prompt_cache(m), 5)
+    np.testing.assert_allclose(np.array(part), np.array(full), rtol=1e-5, atol=1e-5)
