@@ -263,7 +263,7 @@ def _duration(text: str) -> float:
 def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config) -> int:
     from mlx_kvlingo.train import plan_steps, probe_step_cost
 
-    prepare_s, update_s, _ = probe_step_cost(src, tgt, translator, pair, config)
+    prepare_s, update_s = probe_step_cost(src, tgt, translator, pair, config)
     # The optimizer step and bookkeeping add to the gradient evaluation; evaluations
     # during training cost about a step per window (none at --eval-every 0).
     evals = (config.distill.steps // config.eval_every + 1) if config.eval_every else 0

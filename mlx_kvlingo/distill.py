@@ -237,7 +237,6 @@ class RmsScaledAdamW(optim.AdamW):
         return parameter + state["rms"].astype(parameter.dtype) * (new - parameter)
 
 
-
 class Distiller:
     """Owns the trainable maps, the optimizer and the gradient step."""
 
@@ -267,6 +266,20 @@ class Distiller:
         Returns (mean loss, applied). A non-finite loss or gradient skips the
         update entirely: nothing non-finite is ever written into the maps.
         """
+        total, grads = self.gradients(batches)
+        grads, norm = optim.clip_grad_norm(grads, self.config.clip)
+        mx.eval(total, norm)
+        loss = total.item()
+        self.step += 1
+        if not (math.isfinite(loss) and math.isfinite(norm.item())):
+            self.skipped += 1
+            return loss, False
+        self.optimizer.update(self.maps, grads)
+        mx.eval(self.maps.parameters(), self.optimizer.state)
+        return loss, True
+
+    def gradients(self, batches: List[Batch]):
+        """Token-weighted mean loss and gradients over micro-batches (lazy arrays)."""
         total, grads = 0.0, None
         weight = sum(b.tokens for b in batches)
         cfg = self.config
@@ -281,16 +294,7 @@ class Distiller:
             g = tree_map(lambda x: x * scale, g)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             total += loss * scale
-        grads, norm = optim.clip_grad_norm(grads, self.config.clip)
-        mx.eval(total, norm)
-        loss = total.item()
-        self.step += 1
-        if not (math.isfinite(loss) and math.isfinite(norm.item())):
-            self.skipped += 1
-            return loss, False
-        self.optimizer.update(self.maps, grads)
-        mx.eval(self.maps.parameters(), self.optimizer.state)
-        return loss, True
+        return total, grads
 
     def translator(self) -> Translator:
         """The current maps as a plain translator (corrections merged)."""

@@ -223,3 +223,16 @@ def test_last_logits_equal_the_full_forward(arch, tied):
     full = m(x, cache=make_prompt_cache(m))[:, -5:]
     part = last_logits(m, x, make_prompt_cache(m), 5)
     np.testing.assert_allclose(np.array(part), np.array(full), rtol=1e-5, atol=1e-5)
+
+
+def test_probe_measures_a_step_without_training(pair):
+    from mlx_kvlingo.train import probe_step_cost
+
+    src, tgt, t, stream = pair
+    before = [np.array(m.weight) for m in t.k_maps + t.v_maps]
+    cfg = RunConfig(DistillConfig(batch_size=2, accumulate=1), context_lengths=(16,),
+                    continuation_len=6)
+    prepare_s, update_s = probe_step_cost(src, tgt, t, SharedTokens(stream, stream), cfg)
+    assert prepare_s > 0 and update_s > 0
+    assert all(np.array_equal(a, np.array(m.weight)) for a, m in zip(before, t.k_maps + t.v_maps))
+    assert "k_maps" in dict(t.trainable_parameters())  # still trainable afterwards

@@ -1,0 +1,62 @@
+"""Copy trained SmolLM2 <-> Gemma 3 translators into the package, in float16, with their
+held-out evaluation (from benchmarks/fidelity.py's eval JSONs) in the metadata.
+
+    python benchmarks/ship_translators.py --work runs/r2 [--native-tail 16]
+"""
+
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_kvlingo.shipped import ASSETS, SHIPPED
+from mlx_kvlingo.translator import load_translator
+
+KEYS = {("smollm2", "gemma3"): "s2g", ("gemma3", "smollm2"): "g2s"}
+
+
+def summary(eval_json: Path, translator: Path) -> dict:
+    """CBR (with its interval), KL and top-1 per context length and native tail."""
+    result = json.loads(eval_json.read_text())
+    out = {}
+    for e in result["translators"]:
+        if Path(e["translator"]).resolve() != translator.resolve():
+            continue
+        for ctx, r in e["results"].items():
+            out[f"context {ctx}, native tail {e['native_tail']}"] = {
+                "cbr": round(r["cbr"], 4), "cbr_ci95": [round(x, 4) for x in r["cbr_ci95"]],
+                "kl": round(r["kl"], 4), "top1": round(r["top1"], 4),
+                "windows": len(r["windows"]),
+                "context_benefit": round(r["context_benefit"], 4),
+            }
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--native-tail", type=int, default=16,
+                    help="Default native tail stored in the shipped files.")
+    args = ap.parse_args()
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for pair, name in SHIPPED.items():
+        key = KEYS[pair]
+        src = args.work / f"{key}.safetensors"
+        t = load_translator(src)
+        t.spec.training["eval"] = {
+            corpus: summary(args.work / f"{key}.eval-{corpus}.json", src)
+            for corpus in ("stdlib", "austen")
+            if (args.work / f"{key}.eval-{corpus}.json").exists()
+        }
+        if hasattr(t.spec, "native_tail"):
+            t.spec.native_tail = args.native_tail
+        out = ASSETS / name
+        t.save(out, dtype=mx.float16)
+        print(f"{src} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
