@@ -16,6 +16,7 @@ interval, and each recipe change as a paired difference on identical windows.
     python benchmarks/fidelity.py --quick      # a small run, for the plumbing
     python benchmarks/fidelity.py              # the full run (about 2 h per direction here)
     python benchmarks/fidelity.py --work runs/r2 --skip-train   # re-evaluate trained files
+    python benchmarks/fidelity.py --work runs/r2 --report-only  # just the report
 """
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
@@ -71,8 +72,13 @@ def translators(key, work: Path):
     return [(label, p) for label, p in out if p.exists()]
 
 
-def evaluate(key, source, target, work: Path, s: dict, corpus: str) -> dict:
+def evaluate(key, source, target, work: Path, s: dict, corpus: str, run=True) -> dict:
+    """Run one held-out set's evaluation (or, with ``run`` False, read its report)."""
     report = work / f"{key}.eval-{corpus}.json"
+    if not run:
+        result = json.loads(report.read_text())
+        result.setdefault("seconds", float("nan"))
+        return result
     args = ["eval", "--source", source, "--target", target, "--corpus", corpus,
             "--context-lengths", s["contexts"], "--windows", s["windows"],
             "--continuation-len", 48, "--native-tail", s["tails"], "--json", report]
@@ -114,26 +120,30 @@ def markdown(runs: list, meta: dict) -> str:
         for corpus, result in run["eval"].items():
             entries = result["translators"]
             lines += [f"## {run['name']}, held-out {corpus}", "",
-                      "| context | translator | NLL | CBR | 95% CI | KL | top-1 |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| context | translator | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",
+                      "|---|---|---|---|---|---|---|---|"]
             for ctx in sorted(entries[0]["results"], key=int):
                 f0 = _fidelity(entries[0], ctx)
-                lines.append(f"| {ctx} | native re-prefill | {f0.nll_native:.3f} | 100% | | 0 | 100% |")
-                lines.append(f"| {ctx} | no context | {f0.nll_none:.3f} | 0% | | {f0.kl_none:.3f} | |")
+                lines.append(f"| {ctx} | native re-prefill | {f0.nll_native:.3f} | 100% | | 0 | 100% | |")
+                lines.append(f"| {ctx} | no context | {f0.nll_none:.3f} | 0% | | {f0.kl_none:.3f} | | |")
                 for e in entries:
                     f = _fidelity(e, ctx)
                     lo, hi = f.cbr_interval()
                     lines.append(f"| {ctx} | {_label(e, labels)} | {f.nll_translated:.3f} | "
-                                 f"{f.cbr:.1%} | {lo:.1%}..{hi:.1%} | {f.kl:.3f} | {f.top1:.1%} |")
+                                 f"{f.cbr:.1%} | {lo:.1%}..{hi:.1%} | {f.kl:.3f} | {f.top1:.1%} | "
+                                 f"{f.attention_cosine_mean:.3f} ({f.attention_cosine_worst:.3f}) |")
                 lines.append(f"| {ctx} | *target's own context benefit: {f0.context_benefit:.3f} "
-                             f"nats/token, {len(f0.windows)} windows* | | | | | |")
+                             f"nats/token, {len(f0.windows)} windows* | | | | | | |")
             lines += ["", "Paired differences (CBR points, 95% CI):", "",
                       "| context | change | difference | 95% CI |", "|---|---|---|---|"]
             for ctx in sorted(entries[0]["results"], key=int):
                 for name, a, b in _comparisons(entries, labels):
                     d, (lo, hi) = cbr_difference(_fidelity(a, ctx), _fidelity(b, ctx))
                     lines.append(f"| {ctx} | {name} | {100 * d:+.1f} | {100 * lo:+.1f}..{100 * hi:+.1f} |")
-            lines += ["", f"Evaluation took {result['seconds'] / 60:.1f} min.", ""]
+            if result.get("seconds") == result.get("seconds"):  # not NaN
+                lines += ["", f"Evaluation took {result['seconds'] / 60:.1f} min.", ""]
+            else:
+                lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -167,6 +177,8 @@ def main():
     ap.add_argument("--work", type=Path, default=None, help="Where translators are written.")
     ap.add_argument("--skip-train", action="store_true", help="Evaluate the files in --work.")
     ap.add_argument("--directions", default="s2g,g2s")
+    ap.add_argument("--report-only", action="store_true",
+                    help="Write the report from evaluations already in --work.")
     args = ap.parse_args()
     mode = "quick" if args.quick else "full"
     s = SETTINGS[mode]
@@ -182,16 +194,17 @@ def main():
         if key not in args.directions.split(","):
             continue
         run = {"key": key, "name": name, "times": {}}
-        if not args.skip_train:
+        if not (args.skip_train or args.report_only):
             run["times"]["train_s"] = train(key, source, target, topk, work, s)
         run["translators"] = [(label, str(p)) for label, p in translators(key, work)]
-        run["eval"] = {c: evaluate(key, source, target, work, s, c) for c in HELDOUT}
+        run["eval"] = {c: evaluate(key, source, target, work, s, c, run=not args.report_only)
+                       for c in HELDOUT}
         runs.append(run)
     meta = {"mode": mode, "settings": s, "mlx": mx.__version__,
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
                        f"MLX device {mx.default_device()}"}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"fidelity-v2-{mode}"
+    stem = f"fidelity-v2-{mode}" + ("" if len(runs) == len(DIRECTIONS) else f"-{args.directions}")
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     md = markdown(runs, meta)
     (args.out / f"{stem}.md").write_text(md)
