@@ -62,13 +62,19 @@ def train(key, source, target, topk, work: Path, s: dict) -> float:
 
 
 def translators(key, work: Path):
-    """(label, path) of the files a direction's training wrote."""
+    """(label, path) of the files a direction's training wrote: the 3-adjacent-layer
+    stage-1 fit, the stage-1 candidate stage 2 started from (the same layer map),
+    and stage 2."""
+    from mlx_kvlingo.translator import load_translator
+
+    final = work / f"{key}.safetensors"
     out = [("stage 1, 3 adjacent layers", work / f"{key}.stage1-adjacent3.safetensors")]
-    for p in sorted(work.glob(f"{key}.stage1-top*.safetensors"),
-                    key=lambda p: int(p.name.split("-top")[1].split(".")[0])):
-        k = p.name.split("-top")[1].split(".")[0]
-        out.append((f"stage 1, top-{k} layers by R²", p))
-    out.append(("stage 2 (full recipe)", work / f"{key}.safetensors"))
+    layer_map = load_translator(final).spec.layer_map if final.exists() else None
+    for p in sorted(work.glob(f"{key}.stage1-top*.safetensors")):
+        if load_translator(p).spec.layer_map == layer_map:
+            k = p.name.split("-top")[1].split(".")[0]
+            out.append((f"stage 1, top-{k} layers by R²", p))
+    out.append(("stage 2 (full recipe)", final))
     return [(label, p) for label, p in out if p.exists()]
 
 

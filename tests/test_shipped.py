@@ -1,0 +1,42 @@
+"""The translators shipped for SmolLM2 <-> Gemma 3 (network: the models come from PyPI)."""
+
+import pytest
+
+from mlx_kvlingo import data
+from mlx_kvlingo.shipped import SHIPPED, shipped_translator
+from mlx_kvlingo.translator import load_translator
+
+pytestmark = pytest.mark.network
+
+
+@pytest.fixture(scope="module")
+def models():
+    from mlx_kvlingo.models import load
+
+    return {name: load(name) for name in ("smollm2", "gemma3")}
+
+
+@pytest.mark.parametrize("source, target", list(SHIPPED))
+def test_shipped_translator_fits_its_models_and_beats_no_context(models, source, target):
+    path = shipped_translator(source, target)
+    assert path is not None, f"no shipped translator for {source} -> {target}"
+    t = load_translator(path)
+    (src, stok), (tgt, ttok) = models[source], models[target]
+    t.check_models(src, tgt, stok, ttok)
+    assert t.cross_tokenizer
+    # Its held-out evaluation travels with it.
+    report = t.spec.training["eval"]
+    assert {"stdlib", "austen"} <= set(report)
+
+    # On a few held-out prose windows it keeps a good part of the context's value,
+    # with and without its native tail.
+    from mlx_kvlingo.samples import AlignedText
+
+    _, heldout = data.split_documents(data.read_corpus("austen"))
+    text = "\n\n".join(x for _, x in heldout)
+    pair = AlignedText(stok, ttok, text, text)
+    items = pair.heldout(256, 32, 3)
+    plain, tail = pair.evaluate(src, tgt, [t], items, 256, native_tails=(0, 16))
+    assert plain.context_benefit > 0.5
+    assert plain.kl < 0.7 * plain.kl_none and plain.cbr > 0.3
+    assert tail.cbr > 0.3
