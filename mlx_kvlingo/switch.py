@@ -12,7 +12,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from .errors import KvlingoError
@@ -23,7 +23,7 @@ from .models import (
     cache_features,
     cache_geometry,
     cache_length,
-    fill_layer,
+    set_layer,
     max_positions,
     prefill,
     read_layer,
@@ -108,7 +108,7 @@ def _native_tail(translator: Translator, native_tail: Optional[int]) -> int:
 
 
 def _translate(source, target, translator, source_cache, target_cache, alignment, end,
-               target_tokens, room: int) -> List:
+               target_tokens, room: int, phases: Optional[dict] = None) -> List:
     """:func:`translate_aligned` after the alignment is final. ``room``: positions the
     caller will add next (the first decoding step and any native tail), so that
     fresh caches are allocated with space for them."""
@@ -133,7 +133,7 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
         k = runs[0][2] if runs[0][0] else 0
         hi = runs[1][2] if runs[0][0] else runs[0][2]
         target_cache = _translate_fresh(source, target, translator, source_cache,
-                                        alignment, target_tokens, k, hi, room + end - hi)
+                                        alignment, target_tokens, k, hi, room + end - hi, phases)
         runs = alignment.runs(hi, end) if hi < end else []
     for native, lo, hi in runs:
         if native:
@@ -170,85 +170,128 @@ def _fresh_block_fits(runs) -> bool:
 
 
 def _translate_fresh(source, target, translator, source_cache, alignment, target_tokens,
-                     k: int, hi: int, room: int) -> List:
+                     k: int, hi: int, room: int, phases: Optional[dict] = None) -> List:
     """A fresh target cache for positions 0..hi-1: 0..k-1 computed by the target (the
-    memoized native prefix), k..hi-1 translated. Per target layer: the source's keys
-    are un-rotated into content space (one fused kernel that also flattens heads),
-    mapped, re-rotated by a fused kernel that writes cache layout, and written with
-    the prefix into one buffer with ``room`` free positions. Sliding-window layers
-    translate only the positions they keep."""
+    memoized native prefix), k..hi-1 translated, with ``room`` free positions.
+
+    Per target layer the maps run over every row of the layer's buffer (its prefix
+    and free rows too, a few wasted rows), so that the map outputs *are* the
+    buffers: keys get re-rotated by one fused kernel that writes cache layout,
+    values are transposed once, the prefix rows are overwritten in place. No
+    concatenation copies the cache. Sliding-window layers hold (and translate)
+    only the positions they keep."""
     geometry = cache_geometry(target)
     dtype = cache_dtype(target)
     B = target_tokens.shape[0]
-    index = alignment.source_index[k:hi]
     prefix = _prefix_kv(target, target_tokens, k) if k else None
-    # Positions each target layer keeps, and so each source layer must provide.
-    lo_of = [max(k, hi - lg.window) if lg.window else k for lg in geometry.layers]
-    source_lo = {}
-    for i, layers in enumerate(translator.spec.layer_map):
-        for j in layers:
-            source_lo[j] = min(source_lo.get(j, hi), lo_of[i])
-    features = {
-        j: _content_features(source, source_cache, j, index[lo - k :])
-        for j, lo in source_lo.items()
-    }
-    cache = make_prompt_cache(target)
-    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, translator.spec.layer_map)):
-        lo = lo_of[i]
-        xk = _concat([features[j][0][:, lo - source_lo[j] :] for j in layers])
-        xv = _concat([features[j][1][:, lo - source_lo[j] :] for j in layers])
-        n = hi - lo
-        keys = translator.k_maps[i](xk).reshape(B, n, lg.n_kv_heads, lg.head_dim)
-        keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
-        planes = rope_planes(target, i, lo, n, lg.head_dim)
-        if planes is None:
-            keys = rerope(target.layers[i].self_attn.rope, keys, lo).astype(dtype)
+    _phase(phases, "native_prefix_s", prefix or [])
+    # Target positions [first, last) each layer's buffer covers.
+    spans = []
+    for lg in geometry.layers:
+        if lg.window:
+            first = max(hi - lg.window, 0)
+            spans.append((first, hi + min(room, max(lg.window - hi, 0))))
         else:
-            rope = target.layers[i].self_attn.rope
+            spans.append((0, hi + room))
+    source_first = {}
+    for (first, _), layers in zip(spans, translator.spec.layer_map):
+        for j in layers:
+            source_first[j] = min(source_first.get(j, first), first)
+    top = max(last for _, last in spans)
+    # Source positions per target position; prefix and free rows read any row.
+    index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
+    shared = all(i is None or i == p for p, i in enumerate(index))
+    features = {j: _source_rows(source, source_cache, j, first, index[first:], shared)
+                for j, first in source_first.items()}
+    _phase(phases, "read_unrope_s", features)
+    mapped = []
+    for i, (first, last) in enumerate(spans):
+        xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
+                      for j in translator.spec.layer_map[i]])
+        xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
+                      for j in translator.spec.layer_map[i]])
+        mapped.append((translator.k_maps[i](xk), translator.v_maps[i](xv)))
+    _phase(phases, "maps_s", mapped)
+    cache = make_prompt_cache(target)
+    for i, (c, lg, (keys, values)) in enumerate(zip(cache, geometry.layers, mapped)):
+        first, last = spans[i]
+        rows = last - first
+        keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+        keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
+        rope = target.layers[i].self_attn.rope
+        planes = rope_planes(target, i, first, rows, lg.head_dim)
+        if planes is None:
+            keys = rerope(rope, keys, first).astype(dtype)
+        else:
             keys = rotate_planes(keys, planes, getattr(rope, "traditional", False), dtype)
-        values = translator.v_maps[i](xv).reshape(B, n, lg.n_kv_heads, lg.head_dim)
-        values = values.transpose(0, 2, 1, 3).astype(dtype)
-        pk = pv = None
-        if prefix is not None and lo == k:  # a window may have dropped the prefix
+        values = values.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+        values = mx.contiguous(values.transpose(0, 2, 1, 3).astype(dtype))
+        if first < k:  # the native prefix, written over its rows in place
             pk, pv = prefix[i]
-            keep = hi - lg.window if lg.window else 0
-            if keep > 0:
-                pk, pv = pk[..., keep:, :], pv[..., keep:, :]
-        fill_layer(c, [pk, keys], [pv, values], hi, room)
+            keys[..., : k - first, :] = pk[..., first:, :]
+            values[..., : k - first, :] = pv[..., first:, :]
+        set_layer(c, keys, values, hi, hi - first)
+    _phase(phases, "rerope_write_s", [(c.keys, c.values) for c in cache])
     return cache
 
 
-def _content_features(source, source_cache, layer: int, index: List[int]):
+def _phase(phases: Optional[dict], name: str, arrays):
+    """Profiling only (``phases`` given): evaluate what is built so far and record
+    the time since the previous phase. The graph is the same either way; without
+    profiling it is evaluated once, layer by layer."""
+    if phases is None:
+        return
+    mx.eval(arrays)
+    now = time.perf_counter()
+    phases[name] = now - phases.pop("_mark", now)
+    phases["_mark"] = now
+
+
+def _source_rows(source, source_cache, layer: int, first: int, index: List[Optional[int]],
+                 shared: bool):
     """Content-space keys and values [B, len(index), heads*head_dim] of source
-    ``layer`` at source positions ``index`` (a contiguous range for a shared
-    tokenizer; gathered rows otherwise)."""
-    first, last = min(index), max(index)
-    _check_source_holds(source_cache, last)
-    keys, values, s = read_layer(source_cache[layer])
-    if keys is None or s > first:
+    ``layer``, row r holding source position ``index[r]`` (None: any row; its map
+    output is never read). ``first``: the target position of row 0; ``shared``: row
+    r holds position first + r wherever it is not None.
+
+    A shared tokenizer reads a contiguous range of the cache's own buffer (spare
+    rows past its length included), un-rotated and flattened by one fused kernel;
+    otherwise rows are gathered."""
+    wanted = [i for i in index if i is not None]
+    lo, top = min(wanted), max(wanted)
+    _check_source_holds(source_cache, top)
+    c = source_cache[layer]
+    if shared and type(c) is KVCache and c.keys is not None and c.keys.shape[2] >= first + len(index):
+        keys = c.keys[..., first : first + len(index), :]
+        values = c.values[..., first : first + len(index), :]
+        return _content_rows(source, layer, keys, values, first)
+    keys, values, s = read_layer(c)
+    if keys is None or s > lo:
         raise KvlingoError(
             f"Layer {layer} of the source cache holds positions {s}.."
-            f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {first}..{last} "
+            f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {lo}..{top} "
             "are needed: a sliding-window layer has dropped early tokens. Prefill the "
             "source in one pass (mlx_kvlingo.models.prefill) to get complete features."
         )
-    keys = keys[..., first - s : last + 1 - s, :]
-    values = values[..., first - s : last + 1 - s, :]
+    keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
+    keys, values = _content_rows(source, layer, keys, values, lo)
+    rows = mx.array([(lo if i is None else i) - lo for i in index])
+    return keys[:, rows], values[:, rows]
+
+
+def _content_rows(source, layer: int, keys, values, start: int):
+    """Source K/V [B, H, T, D] at positions start.. -> content space [B, T, H*D]."""
     B, H, n, D = keys.shape
-    planes = rope_planes(source, layer, first, n, D, inverse=True)
+    planes = rope_planes(source, layer, start, n, D, inverse=True)
     rope = source.layers[layer].self_attn.rope
     if planes is None:
-        keys = unrope(rope, keys, first).transpose(0, 2, 1, 3)
-    else:  # [B, n, H, D] out of a transposed view: un-rotated and flattened in one pass
+        keys = unrope(rope, keys, start).transpose(0, 2, 1, 3)
+    else:  # [B, T, H, D] out of a transposed view: un-rotated and flattened in one pass
         C, S = planes
         keys = rotate_planes(keys.transpose(0, 2, 1, 3), (C[:, None], S[:, None]),
                              getattr(rope, "traditional", False))
-    keys = keys.reshape(B, n, H * D)
     values = values.transpose(0, 2, 1, 3).reshape(B, n, H * D)
-    if index != list(range(first, last + 1)):  # cross-tokenizer: one row per target token
-        rows = mx.array([i - first for i in index])
-        keys, values = keys[:, rows], values[:, rows]
-    return keys, values
+    return keys.reshape(B, n, H * D), values
 
 
 def _concat(xs: List[mx.array]) -> mx.array:
@@ -362,14 +405,19 @@ def switch(
 
 
 def _switch_aligned(source, target, translator, source_cache, alignment, tokens, m: int,
-                    t0: float) -> SwitchResult:
-    """Translate all target positions but the last m + 1, which are left pending."""
+                    t0: float, phases: Optional[dict] = None) -> SwitchResult:
+    """Translate all target positions but the last m + 1, which are left pending.
+    ``phases``: profile the translation into it (see :func:`_phase`)."""
     n = tokens.shape[1]
     end = max(n - 1 - m, 0)
     if end:
         alignment = alignment.with_native_prefix(translator.spec.native_prefix)
+        if phases is not None:
+            phases["_mark"] = time.perf_counter()
         cache = _translate(source, target, translator, source_cache, None, alignment, end,
-                           tokens, room=n - end)
+                           tokens, room=n - end, phases=phases)
+        if phases is not None:
+            phases.pop("_mark", None)
         mx.eval([(c.keys, c.values) for c in cache])
     else:
         cache = make_prompt_cache(target)
