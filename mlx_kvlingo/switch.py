@@ -5,6 +5,7 @@ source's cache and (2) one decoding step of the target on the context's last
 token, which ``stream_generate`` performs as its "prompt".
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -201,58 +202,77 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     # Source positions per target position; prefix and free rows read any row.
     index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
     shared = all(i is None or i == p for p, i in enumerate(index))
-    features = {j: _source_rows(source, source_cache, j, first, index[first:], shared)
-                for j, first in source_first.items()}
-    _phase(phases, "read_unrope_s", features)
-    mapped = []
-    for i, (first, last) in enumerate(spans):
-        xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
-                      for j in translator.spec.layer_map[i]])
-        xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
-                      for j in translator.spec.layer_map[i]])
-        mapped.append((translator.k_maps[i](xk), translator.v_maps[i](xv)))
-    _phase(phases, "maps_s", mapped)
+    last_use = {j: i for i, layers in enumerate(translator.spec.layer_map) for j in layers}
+    features = {}
+    copies = _copy_stream() if phases is None else None
+
+    def read_sources(i):
+        for j in translator.spec.layer_map[i]:
+            if j not in features:
+                features[j] = _source_rows(source, source_cache, j, source_first[j],
+                                           index[source_first[j] :], shared, copies)
+                if phases is None:
+                    mx.async_eval(features[j])
+
     cache = make_prompt_cache(target)
-    for i, (c, lg, (keys, values)) in enumerate(zip(cache, geometry.layers, mapped)):
+    read_sources(0)
+    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, translator.spec.layer_map)):
         first, last = spans[i]
         rows = last - first
-        keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
-        keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
-        rope = target.layers[i].self_attn.rope
-        planes = rope_planes(target, i, first, rows, lg.head_dim)
-        if planes is None:
-            keys = rerope(rope, keys, first).astype(dtype)
-        else:
-            keys = rotate_planes(keys, planes, getattr(rope, "traditional", False), dtype)
-        values = values.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
-        values = mx.contiguous(values.transpose(0, 2, 1, 3).astype(dtype))
-        if first < k:  # the native prefix, written over its rows in place
-            pk, pv = prefix[i]
-            keys[..., : k - first, :] = pk[..., first:, :]
-            values[..., : k - first, :] = pv[..., first:, :]
+        if i + 1 < len(cache):  # queued ahead, so it runs beside this layer's matmuls
+            read_sources(i + 1)
+        xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
+                      for j in layers])
+        xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
+                      for j in layers])
+        _phase(phases, "read_unrope_s", [xk, xv])
+        keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
+        _phase(phases, "maps_s", [keys, values])
+        with _on(copies):
+            keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+            keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
+            rope = target.layers[i].self_attn.rope
+            planes = rope_planes(target, i, first, rows, lg.head_dim)
+            if planes is None:
+                keys = rerope(rope, keys, first).astype(dtype)
+            else:
+                keys = rotate_planes(keys, planes, getattr(rope, "traditional", False), dtype)
+            values = values.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+            values = mx.contiguous(values.transpose(0, 2, 1, 3).astype(dtype))
+            if first < k:  # the native prefix, written over its rows in place
+                keys[..., : k - first, :] = prefix[i][0][..., first:, :]
+                values[..., : k - first, :] = prefix[i][1][..., first:, :]
         set_layer(c, keys, values, hi, hi - first)
-    _phase(phases, "rerope_write_s", [(c.keys, c.values) for c in cache])
+        _phase(phases, "rerope_write_s", [keys, values])
+        for j in layers:  # free source features after their last reader
+            if last_use[j] == i:
+                del features[j]
+        del xk, xv, keys, values
+        if phases is None:
+            # Layer by layer: at most one layer's intermediates are alive, and the
+            # next layer's graph is built while this one computes.
+            mx.async_eval(c.keys, c.values)
     return cache
 
 
 def _phase(phases: Optional[dict], name: str, arrays):
-    """Profiling only (``phases`` given): evaluate what is built so far and record
-    the time since the previous phase. The graph is the same either way; without
-    profiling it is evaluated once, layer by layer."""
+    """Profiling only (``phases`` given): evaluate what is built so far and add the
+    time since the previous mark to ``phases[name]`` (summed over layers)."""
     if phases is None:
         return
     mx.eval(arrays)
     now = time.perf_counter()
-    phases[name] = now - phases.pop("_mark", now)
+    phases[name] = phases.get(name, 0.0) + now - phases.get("_mark", now)
     phases["_mark"] = now
 
 
 def _source_rows(source, source_cache, layer: int, first: int, index: List[Optional[int]],
-                 shared: bool):
+                 shared: bool, stream=None):
     """Content-space keys and values [B, len(index), heads*head_dim] of source
     ``layer``, row r holding source position ``index[r]`` (None: any row; its map
     output is never read). ``first``: the target position of row 0; ``shared``: row
-    r holds position first + r wherever it is not None.
+    r holds position first + r wherever it is not None. The work runs on
+    ``stream`` (default: the current stream).
 
     A shared tokenizer reads a contiguous range of the cache's own buffer (spare
     rows past its length included), un-rotated and flattened by one fused kernel;
@@ -261,26 +281,34 @@ def _source_rows(source, source_cache, layer: int, first: int, index: List[Optio
     lo, top = min(wanted), max(wanted)
     _check_source_holds(source_cache, top)
     c = source_cache[layer]
+    rows = None
     if shared and type(c) is KVCache and c.keys is not None and c.keys.shape[2] >= first + len(index):
         keys = c.keys[..., first : first + len(index), :]
         values = c.values[..., first : first + len(index), :]
-        return _content_rows(source, layer, keys, values, first)
-    keys, values, s = read_layer(c)
-    if keys is None or s > lo:
-        raise KvlingoError(
-            f"Layer {layer} of the source cache holds positions {s}.."
-            f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {lo}..{top} "
-            "are needed: a sliding-window layer has dropped early tokens. Prefill the "
-            "source in one pass (mlx_kvlingo.models.prefill) to get complete features."
-        )
-    keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
-    keys, values = _content_rows(source, layer, keys, values, lo)
-    rows = mx.array([(lo if i is None else i) - lo for i in index])
-    return keys[:, rows], values[:, rows]
+        start = first
+    else:
+        keys, values, s = read_layer(c)
+        if keys is None or s > lo:
+            raise KvlingoError(
+                f"Layer {layer} of the source cache holds positions {s}.."
+                f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {lo}..{top} "
+                "are needed: a sliding-window layer has dropped early tokens. Prefill the "
+                "source in one pass (mlx_kvlingo.models.prefill) to get complete features."
+            )
+        keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
+        start = lo
+        rows = mx.array([(lo if i is None else i) - lo for i in index])
+    B, H, n, D = keys.shape
+    with _on(stream):
+        keys = _content_keys(source, layer, keys, start)
+        values = values.transpose(0, 2, 1, 3).reshape(B, n, H * D)
+        if rows is not None:
+            keys, values = keys[:, rows], values[:, rows]
+    return keys, values
 
 
-def _content_rows(source, layer: int, keys, values, start: int):
-    """Source K/V [B, H, T, D] at positions start.. -> content space [B, T, H*D]."""
+def _content_keys(source, layer: int, keys, start: int):
+    """Source keys [B, H, T, D] at positions start.. -> content space [B, T, H*D]."""
     B, H, n, D = keys.shape
     planes = rope_planes(source, layer, start, n, D, inverse=True)
     rope = source.layers[layer].self_attn.rope
@@ -290,8 +318,29 @@ def _content_rows(source, layer: int, keys, values, start: int):
         C, S = planes
         keys = rotate_planes(keys.transpose(0, 2, 1, 3), (C[:, None], S[:, None]),
                              getattr(rope, "traditional", False))
-    values = values.transpose(0, 2, 1, 3).reshape(B, n, H * D)
-    return keys.reshape(B, n, H * D), values
+    return keys.reshape(B, n, H * D)
+
+
+def _on(stream):
+    return mx.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+_COPY_STREAM = []  # a second CPU stream, made once
+
+
+def _copy_stream():
+    """The stream the switch's rotations and layout copies run on, beside the map
+    matmuls on the default stream: on a CPU the two run on two cores at once (MLX
+    runs each stream on its own thread), so the memory-bound copies of one layer
+    overlap the matmuls of the next. None where that does not apply."""
+    if mx.default_device() != mx.cpu or not _PARALLEL_STREAMS:
+        return None
+    if not _COPY_STREAM:
+        _COPY_STREAM.append(mx.new_stream(mx.cpu))
+    return _COPY_STREAM[0]
+
+
+_PARALLEL_STREAMS = True
 
 
 def _concat(xs: List[mx.array]) -> mx.array:
