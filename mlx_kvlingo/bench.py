@@ -97,6 +97,9 @@ def environment() -> dict:
         "device": str(mx.default_device()),
         "blas": blas.preload_status,
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        # Thread settings change BLAS timings (and how they suffer on a busy machine).
+        "threads_env": {k: v for k, v in os.environ.items()
+                        if k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
     if mx.default_device() == mx.gpu and mx.metal.is_available():
         info["gpu"] = mx.metal.device_info().get("device_name")
@@ -202,10 +205,11 @@ def _timed_maps(translator, inputs) -> float:
 
 
 def _working_set(translator, inputs) -> int:
-    """Bytes of one target layer's intermediates at most: its source features (K and
-    V) and its two map outputs."""
-    return max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
-               for x, km in zip(inputs, translator.k_maps))
+    """Bytes of the switch's intermediates at most: two layers' source features (K
+    and V) and map outputs (the switch reads the next layer's sources while it
+    writes one layer)."""
+    return 2 * max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
+                   for x, km in zip(inputs, translator.k_maps))
 
 
 def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
@@ -327,13 +331,13 @@ def measure_ttft(
 def format_rows(rows: Sequence[TTFTRow]) -> str:
     """The table: achieved and ceiling ratios, their fraction, the switch's split
     (translate + first step) and the ceiling's parts, and memory."""
-    lines = [f"{'pair':<18} {'context':>7} {'tail':>4} {'prefill_s':>9} {'switch_s':>8} "
+    lines = [f"{'pair':<20} {'context':>7} {'tail':>4} {'prefill_s':>9} {'switch_s':>8} "
              f"{'ratio':>6} {'ceiling':>7} {'fraction':>8} {'translate_s':>11} "
              f"{'first_s':>7} {'maps_s':>7} {'step_s':>7} {'peak MB':>7} {'bound MB':>8}"]
     for r in rows:
         bound = r.memory.get("bound_mb", float("nan"))
         lines.append(
-            f"{r.pair[:18]:<18} {r.context:>7} {r.native_tail:>4} {r.prefill_s:>9.4f} "
+            f"{r.pair[:20]:<20} {r.context:>7} {r.native_tail:>4} {r.prefill_s:>9.4f} "
             f"{r.switch_s:>8.4f} {r.ratio:>5.1f}x {r.ceiling_ratio:>6.1f}x {r.fraction:>8.1%} "
             f"{r.translate_s:>11.4f} {r.decode_s:>7.4f} {r.maps_s:>7.4f} {r.decode_step_s:>7.4f} "
             f"{r.translate_peak_mb:>7.1f} {bound:>8.1f}"
@@ -345,10 +349,10 @@ def format_split(rows: Sequence[TTFTRow]) -> str:
     """Where each switch's time goes (profiled runs, milliseconds)."""
     parts = ("align_s", "native_prefix_s", "read_unrope_s", "maps_s", "rerope_write_s",
              "first_step_s")
-    lines = [f"{'pair':<18} {'context':>7} " + " ".join(f"{p[:-2]:>14}" for p in parts)]
+    lines = [f"{'pair':<20} {'context':>7} " + " ".join(f"{p[:-2]:>14}" for p in parts)]
     for r in rows:
         if r.translate_profile:
-            lines.append(f"{r.pair[:18]:<18} {r.context:>7} " + " ".join(
+            lines.append(f"{r.pair[:20]:<20} {r.context:>7} " + " ".join(
                 f"{r.translate_profile.get(p, 0.0) * 1e3:>14.1f}" for p in parts))
     return "\n".join(lines)
 
@@ -431,7 +435,7 @@ def _model_path(name: str, log) -> str:
 
 
 def measure_pair(source_path, target_path, translator_path, contexts, repeats, warmup,
-                 native_tails=(0,), log=None, loaded=None) -> dict:
+                 native_tails=(0,), log=None, loaded=None, label=None) -> dict:
     """One pair's rows: models loaded (``loaded``: a dict path -> (model, tokenizer)
     shared across pairs), translator from a file or random maps of the right
     geometry, text from the held-out stdlib docstrings."""
@@ -460,7 +464,7 @@ def measure_pair(source_path, target_path, translator_path, contexts, repeats, w
     if not contexts:
         raise KvlingoError("No context length fits the models' maximum positions.")
     cross = tokenizer_fingerprint(stok) != tokenizer_fingerprint(ttok)
-    pair = f"{Path(source_path).name} -> {Path(target_path).name}"
+    pair = label or f"{Path(source_path).name} -> {Path(target_path).name}"
     log(f"TTFT {pair} ({'different tokenizers: text aligned inside the switch' if cross else 'shared tokenizer'}); translator: {kind}")
     if cross:
         text = heldout_text(ttok, max(contexts))
@@ -490,8 +494,9 @@ NOTE = (
     "are timed in the same run, interleaved; medians of `repeats`. translate_profile: one "
     "profiled switch (an evaluation after each part). Memory (MB, MLX allocator): "
     "switch_peak_mb = source cache + maps + the switch's own allocations at their peak "
-    "(translation and first step); bound_mb = source cache + target cache + maps + one "
-    "layer's working set (its source features and map outputs). Model weights excluded."
+    "(translation and first step); bound_mb = source cache + target cache + maps + two "
+    "layers' working set (source features and map outputs of the layer being written and "
+    "of the next, whose sources are read ahead). Model weights excluded."
 )
 
 
@@ -526,9 +531,11 @@ def run_ttft_benchmark(
     loaded, results = {}, []
     for spec in pairs:
         source_name, _, target_name = spec.partition(":")
+        target_name = target_name or source_name
+        label = f"{Path(source_name).name} -> {Path(target_name).name}"
         results.append(measure_pair(
-            _model_path(source_name, log), _model_path(target_name or source_name, log),
-            translator_path, contexts, repeats, warmup, native_tails, log, loaded))
+            _model_path(source_name, log), _model_path(target_name, log),
+            translator_path, contexts, repeats, warmup, native_tails, log, loaded, label))
     rows = [r for p in results for r in p["rows"]]
     result = {
         "benchmark": "ttft",
