@@ -345,6 +345,35 @@ def format_rows(rows: Sequence[TTFTRow]) -> str:
     return "\n".join(lines)
 
 
+def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
+    """The results as a small markdown page: machine, table, split, memory, notes."""
+    env = result["environment"]
+    mem = ["| pair | context | source cache | target cache | maps | working set | bound | "
+           "switch peak | within |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.native_tail == 0:
+            m = r.memory
+            mem.append(f"| {r.pair} | {r.context} | {m['source_cache_mb']:.1f} | "
+                       f"{m['target_cache_mb']:.1f} | {m['maps_mb']:.1f} | "
+                       f"{m['layer_working_set_mb']:.1f} | {m['bound_mb']:.1f} | "
+                       f"{m['switch_peak_mb']:.1f} | {'yes' if m['within_bound'] else 'no'} |")
+    return "\n".join([
+        "# Time to first token after a switch",
+        "",
+        f"{env['platform']}, {env['cpu']} ({env['cpu_count']} cores), {env['device']}, mlx "
+        f"{env['mlx']}, mlx-lm {env['mlx_lm']}, BLAS: {env['blas']}, thread settings: "
+        f"{env.get('threads_env') or 'default'}; load average before / after: "
+        f"{result['load_average_before']} / {env['load_average']}. Medians of "
+        f"{result['repeats']} runs after {result['warmup']} warm-up.",
+        "",
+        "```", format_rows(rows), "```", "",
+        "Split of one profiled switch (ms; an evaluation after each part):", "",
+        "```", format_split(rows), "```", "",
+        "Memory (MB, MLX allocator, model weights excluded):", "", *mem, "",
+        result["note"], "",
+    ])
+
+
 def format_split(rows: Sequence[TTFTRow]) -> str:
     """Where each switch's time goes (profiled runs, milliseconds)."""
     parts = ("align_s", "native_prefix_s", "read_unrope_s", "maps_s", "rerope_write_s",
@@ -555,6 +584,7 @@ def run_ttft_benchmark(
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2))
+        json_out.with_suffix(".md").write_text(format_report(result, rows))
     if plot_out:
         plot_ttft(rows, plot_out, title=f"TTFT after a switch vs re-prefill and the ceiling: "
                   f"{result['environment']['device']}, mlx {mx.__version__}")

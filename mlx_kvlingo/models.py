@@ -533,37 +533,18 @@ def build_cache(
     return cache
 
 
-def fill_layer(c, keys: List[Optional[mx.array]], values: List[Optional[mx.array]],
-               end: int, room: int = 1):
-    """Set an empty layer cache to hold the positions ending at ``end``, from parts
-    ([B, heads, T, head_dim], in temporal order; None parts are skipped), written
-    into one buffer in a single copy. A plain cache gets its buffer rounded up as
-    mlx-lm's own steps (at least ``room`` free positions), so the next ``room``
-    tokens are written in place instead of reallocating every layer; a sliding
-    layer keeps its last ``window`` positions."""
+def set_layer(c, keys: mx.array, values: mx.array, end: int, length: int):
+    """Give an empty layer cache the buffers ``keys``/``values`` ([B, heads, rows,
+    head_dim]) whose first ``length`` rows hold the positions ending at ``end``, in
+    temporal order; rows past ``length`` are free space that the next tokens are
+    written into in place (as mlx-lm's own preallocated steps)."""
     if c.keys is not None:
-        raise KvlingoError("fill_layer needs an empty layer cache.")
-    keys = [k for k in keys if k is not None]
-    values = [v for v in values if v is not None]
-    n = sum(k.shape[2] for k in keys)
+        raise KvlingoError("set_layer needs an empty layer cache.")
     if isinstance(c, RotatingKVCache):
-        if n > c.max_size:
-            raise KvlingoError(f"{n} positions do not fit a {c.max_size}-position window.")
-        c._idx = n
-    elif room > 0:
-        step = KVCache.step
-        free = (n + room + step - 1) // step * step - n
-        keys = keys + [_zeros_like_rows(keys[0], free)]
-        values = values + [_zeros_like_rows(values[0], free)]
-    c.keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
-    c.values = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-    c.offset = end
-
-
-def _zeros_like_rows(x: mx.array, rows: int) -> mx.array:
-    # Broadcast, not allocated: the concatenation writes the zeros.
-    shape = (*x.shape[:2], rows, x.shape[3])
-    return mx.broadcast_to(mx.zeros((1, 1, 1, 1), dtype=x.dtype), shape)
+        if keys.shape[2] > c.max_size:
+            raise KvlingoError(f"{keys.shape[2]} rows do not fit a {c.max_size}-position window.")
+        c._idx = length
+    c.keys, c.values, c.offset = keys, values, end
 
 
 def append_layer(c, keys: mx.array, values: mx.array, start: int, end: int):

@@ -221,10 +221,11 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         rows = last - first
         if i + 1 < len(cache):  # queued ahead, so it runs beside this layer's matmuls
             read_sources(i + 1)
-        xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
-                      for j in layers])
-        xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
-                      for j in layers])
+        with _on(copies):  # several source layers per map: concatenated beside the matmuls
+            xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
+            xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
         _phase(phases, "read_unrope_s", [xk, xv])
         keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
         _phase(phases, "maps_s", [keys, values])
@@ -249,8 +250,9 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 del features[j]
         del xk, xv, keys, values
         if phases is None:
-            # Layer by layer: at most one layer's intermediates are alive, and the
-            # next layer's graph is built while this one computes.
+            # Layer by layer: about two layers' intermediates are alive (this one
+            # and the next one's sources), and the next graph is built while this
+            # one computes.
             mx.async_eval(c.keys, c.values)
     return cache
 
