@@ -333,18 +333,19 @@ def _on(stream):
     return mx.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-_COPY_STREAM = []  # a second CPU stream, made once
+_COPY_STREAM = []  # one thread-local CPU stream, made once
 
 
 def _copy_stream():
     """The stream the switch's rotations and layout copies run on, beside the map
     matmuls on the default stream: on a CPU the two run on two cores at once (MLX
     runs each stream on its own thread), so the memory-bound copies of one layer
-    overlap the matmuls of the next. None where that does not apply."""
+    overlap the matmuls of the next. Thread-local (as mlx-lm's generation stream),
+    so switches may run on any thread. None where that does not apply."""
     if mx.default_device() != mx.cpu or not _PARALLEL_STREAMS:
         return None
     if not _COPY_STREAM:
-        _COPY_STREAM.append(mx.new_stream(mx.cpu))
+        _COPY_STREAM.append(mx.new_thread_local_stream(mx.cpu))
     return _COPY_STREAM[0]
 
 

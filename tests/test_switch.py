@@ -269,3 +269,31 @@ def test_generate_after_switch_streams_what_mlx_lm_streams(toy_pair, tail):
         assert [(x.token, x.text, x.finish_reason) for x in ours] == [
             (x.token, x.text, x.finish_reason) for x in theirs]
         assert ours[-1].generation_tokens == theirs[-1].generation_tokens
+
+
+def test_switch_runs_on_worker_threads():
+    """The switch's second stream is thread-local: a switch on another thread (a
+    server's MLX thread) works and builds the same cache."""
+    import threading
+
+    from mlx_kvlingo.session import finish_thread
+    from tiny import tiny_model
+
+    m = tiny_model("qwen3")
+    t = _random_translator(m, m)
+    tokens = mx.random.randint(0, 97, (1, 20), key=mx.random.key(10))
+    here = switch(m, m, t, tokens)
+    out = {}
+
+    def work():
+        try:
+            r = switch(m, m, t, tokens)
+            out["diff"] = max(mx.abs(a.keys - b.keys).max().item() for a, b in zip(r.cache, here.cache))
+        finally:
+            finish_thread()
+
+    for _ in range(2):
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+        assert out.pop("diff") < 1e-6
