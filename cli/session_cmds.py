@@ -324,26 +324,37 @@ def register(app: typer.Typer):
     def bench_ttft(
         json_out: Path = typer.Option(..., "--json", help="Write the results here."),
         plot: Optional[Path] = typer.Option(None, help="PNG plot (default: beside the JSON)."),
+        pairs: str = typer.Option(
+            "smollm2:smollm2,gemma3:smollm2,smollm2:gemma3",
+            help="SOURCE:TARGET pairs (paths or the built-in smollm2, gemma3, fetched once)."),
         target: Optional[str] = typer.Option(
-            None, help="Target model (default: SmolLM2-135M-Instruct, float32, fetched once)."),
-        source: Optional[str] = typer.Option(None, help="Source model (default: the target)."),
+            None, help="One target model instead of --pairs."),
+        source: Optional[str] = typer.Option(None, help="Its source (default: the target)."),
         translator: Optional[Path] = typer.Option(
-            None, help="Translator file (default: random maps; timing only)."),
-        contexts: str = typer.Option("64,256,1024,4096", help="Context lengths."),
-        repeats: int = typer.Option(5, help="Timed runs per context (medians reported)."),
+            None, help="Translator file for the one pair (default: random maps; timing only)."),
+        contexts: str = typer.Option("256,1024,4096", help="Context lengths (target tokens)."),
+        native_tail: str = typer.Option(
+            "0", "--native-tail", help="Native tails to time, e.g. 0,16,64."),
+        repeats: int = typer.Option(3, help="Timed runs per context (medians reported)."),
         warmup: int = typer.Option(1, help="Untimed runs first."),
-        quick: bool = typer.Option(False, help="Short run: contexts 64,256, 2 repeats."),
+        quick: bool = typer.Option(False, help="Short run: contexts up to 256, 2 repeats."),
     ):
-        """Time to first token after a switch vs a full re-prefill of the target."""
-        from mlx_kvlingo.bench import format_rows, run_ttft_benchmark, TTFTRow
+        """Time to first token after a switch vs a full re-prefill of the target, and
+        the fraction of the ceiling (one decoding step + the maps) it reaches."""
+        from mlx_kvlingo.bench import format_rows, format_split, run_ttft_benchmark, TTFTRow
+
+        def counts(text, name, minimum):
+            try:
+                values = [int(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                values = []
+            if not values or min(values) < minimum:
+                raise KvlingoError(f"{name} expects numbers >= {minimum}, got {text!r}.")
+            return values
 
         def go():
-            try:
-                lengths = [int(x) for x in contexts.split(",") if x.strip()]
-            except ValueError:
-                lengths = []
-            if not lengths or min(lengths) < 2:
-                raise KvlingoError(f"--contexts expects lengths >= 2, got {contexts!r}.")
+            lengths = counts(contexts, "--contexts", 2)
+            tails = counts(native_tail, "--native-tail", 0)
             n, w = repeats, warmup
             if quick:
                 lengths = [c for c in lengths if c <= 256] or lengths[:1]
@@ -352,10 +363,13 @@ def register(app: typer.Typer):
                 raise KvlingoError("--repeats must be at least 1.")
             png = plot or json_out.with_suffix(".png")
             result = run_ttft_benchmark(target, source, translator, lengths, n, w,
-                                        json_out=json_out, plot_out=png, log=typer.echo)
+                                        json_out=json_out, plot_out=png, log=typer.echo,
+                                        pairs=pairs.split(","), native_tails=tails)
             fields = set(TTFTRow.__dataclass_fields__)
             rows = [TTFTRow(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
             typer.echo(format_rows(rows))
+            typer.echo("\nSplit of a switch (one profiled run, ms):")
+            typer.echo(format_split(rows))
             typer.echo(f"Wrote {json_out} and {png}")
 
         _run(go)

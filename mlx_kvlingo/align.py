@@ -14,7 +14,7 @@ source token inside the context (tokenize the context on its own).
 
 import bisect
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import KvlingoError
 
@@ -40,6 +40,18 @@ class Alignment:
         if self.native_prefix >= k:
             return self
         index = [NATIVE if j < k else i for j, i in enumerate(self.source_index)]
+        return Alignment(self.source_tokens, self.target_tokens, index)
+
+    def with_native_tail(self, m: int, end: Optional[int] = None) -> "Alignment":
+        """The same alignment with target positions end-m..end-1 native (the native
+        tail: the target computes the last m context tokens itself, on top of the
+        translated ones). ``end`` defaults to all positions but the last, which the
+        target reads in its first decoding step."""
+        end = len(self.source_index) - 1 if end is None else end
+        lo = max(end - m, 0)
+        if m <= 0 or all(i == NATIVE for i in self.source_index[lo:end]):
+            return self
+        index = [NATIVE if lo <= j < end else i for j, i in enumerate(self.source_index)]
         return Alignment(self.source_tokens, self.target_tokens, index)
 
     def runs(self, start: int, end: int) -> List[Tuple[bool, int, int]]:

@@ -1,13 +1,20 @@
-"""Time to first token after a switch, against a full re-prefill of the target.
+"""Time to first token after a switch, against a full re-prefill, and against the
+ceiling the method allows.
 
-Both paths end in the target's first generated token, produced by mlx-lm's own
-``generate_step`` (what ``stream_generate`` and ``mlx_lm.generate`` run):
-
-- re-prefill: the target reads the whole context (in mlx-lm's prefill chunks),
-  then samples;
+- re-prefill: the target reads the context's first T - 1 tokens in one pass (its
+  body; mlx-lm's generate_step does the same), then one bare decoding step on the
+  last token (``decode_step_s``);
 - switch: the source already holds the context in its cache (it read it during
-  its turn, so that is not timed); the cache is translated (``translate_s``) and
-  the target runs one decoding step on the context's last token (``decode_s``).
+  its turn, so that is not timed); its cache is translated (``translate_s``; for
+  a pair with different tokenizers this includes tokenizing and aligning the
+  text), then the target's first step over the pending tokens
+  (``first_step_s``, :func:`mlx_kvlingo.switch.first_step`);
+- ceiling: a switch cannot beat one decoding step plus the maps' matmuls, so
+  ``ceiling_s`` = the bare decoding step of the re-prefill above (on the target's
+  own cache of T - 1 tokens) + the translator's map matmuls alone over the
+  positions the target's cache holds (``maps_s``, inputs ready in memory). The
+  three are timed in the same run, interleaved, so the machine's drift affects
+  them alike: ``fraction`` = ratio / ceiling_ratio = ceiling_s / switch_s.
 
 Only timing is measured here: a translator with random maps times exactly like a
 trained one of the same shape, and a model can be its own source.
@@ -25,30 +32,35 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models import apply_rope_tables, build_cache, cache_features, prefill, rope_tables
-from .switch import switch
+from .models import apply_rope_tables, cache_geometry, prefill, rope_tables  # noqa: F401
 from .translator import Translator
 
-DEFAULT_CONTEXTS = (64, 256, 1024, 4096)
+DEFAULT_CONTEXTS = (256, 1024, 4096)
 
 
 @dataclass
 class TTFTRow:
-    context: int
-    prefill_s: float  # target's time to first token after a full prefill (median)
-    switch_s: float  # translate_s + decode_s (median of the sums)
-    ratio: float  # prefill_s / switch_s
+    context: int  # target tokens in the context
+    prefill_s: float  # re-prefill: body over T - 1 tokens + bare decoding step (median)
+    switch_s: float  # translate_s + first_step_s (median of the sums)
+    ratio: float  # achieved: prefill_s / switch_s
     translate_s: float
-    decode_s: float
-    translate_peak_mb: float  # peak memory (MLX allocator) during translation
+    decode_s: float  # the switch's first step (native tail + last token)
+    translate_peak_mb: float  # MLX allocator peak during switch + first step
     translate_extra_mb: float  # ... above what was allocated before it
     repeats: int
-    decode_step_s: float = 0.0  # one bare decoding step (model call + argmax), no mlx-lm loop
-    translate_proposed_s: Optional[float] = None  # the proposed faster translation (see below)
-    proposed_max_abs_diff: Optional[float] = None  # its cache vs the shipped one
+    decode_step_s: float = 0.0  # ceiling part: bare step on the target's own T-1 cache
+    maps_s: float = 0.0  # ceiling part: the maps' matmuls alone
+    ceiling_s: float = 0.0  # decode_step_s + maps_s
+    ceiling_ratio: float = 0.0  # prefill_s / ceiling_s
+    fraction: float = 0.0  # ratio / ceiling_ratio = ceiling_s / switch_s
+    native_tail: int = 0
+    pair: str = ""
+    memory: Dict[str, float] = field(default_factory=dict)  # MB: caches, maps, bound
     prefill_all_s: List[float] = field(default_factory=list)
     switch_all_s: List[float] = field(default_factory=list)
-    translate_profile: Dict[str, float] = field(default_factory=dict)
+    ceiling_all_s: List[float] = field(default_factory=list)
+    translate_profile: Dict[str, float] = field(default_factory=dict)  # split of the switch
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,31 +97,49 @@ def environment() -> dict:
         "device": str(mx.default_device()),
         "blas": blas.preload_status,
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        # Thread settings change BLAS timings (and how they suffer on a busy machine).
+        "threads_env": {k: v for k, v in os.environ.items()
+                        if k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
     if mx.default_device() == mx.gpu and mx.metal.is_available():
         info["gpu"] = mx.metal.device_info().get("device_name")
     return info
 
 
-def _first_token_s(model, prompt: mx.array, cache) -> float:
-    """Seconds until mlx-lm's generate_step yields its first token."""
-    from mlx_lm.generate import generate_step
+@dataclass
+class _Context:
+    """One context to time: the target's tokens, the source's live cache, and how
+    to switch it (shared tokenizer: token ids; otherwise: text, aligned inside the
+    timed switch)."""
 
-    t0 = time.perf_counter()
-    gen = generate_step(prompt, model, max_tokens=1, prompt_cache=cache)
-    next(gen)
-    elapsed = time.perf_counter() - t0
-    gen.close()
-    mx.synchronize()  # the pipelined next step must not leak into the next timing
-    return elapsed
+    tokens: mx.array  # [T] target token ids
+    source_cache: list
+    text: Optional[str] = None
 
 
-def _bare_step_s(model, token: mx.array, cache) -> float:
-    """Seconds for one decoding step done by hand: the model on one token, argmax."""
-    t0 = time.perf_counter()
-    logits = model(token.reshape(1, -1), cache=cache)[:, -1, :]
-    mx.eval(mx.argmax(logits, axis=-1))
-    return time.perf_counter() - t0
+def _shared_context(source, stream: Sequence[int], context: int) -> _Context:
+    tokens = mx.array(list(stream[:context]))
+    return _Context(tokens, _evaluated(prefill(source, tokens[None, :-1])))
+
+
+def _text_context(source, source_tokenizer, target_tokenizer, text: str, context: int):
+    """The prefix of ``text`` that the target tokenizes into ``context`` tokens (or
+    as close as a cut at a token end allows), and the source's cache of it."""
+    from .align import tokenize_with_offsets
+
+    ids, offsets = tokenize_with_offsets(target_tokenizer, text)
+    if len(ids) < context:
+        raise ValueError(f"The text has {len(ids)} target tokens, fewer than {context}.")
+    cut = offsets[context - 1][1]
+    for _ in range(8):  # a cut can tokenize differently at its end: adjust
+        ids_cut, off_cut = tokenize_with_offsets(target_tokenizer, text[:cut])
+        if len(ids_cut) == context:
+            break
+        cut = off_cut[context - 1][1] if len(ids_cut) > context else offsets[len(ids_cut)][1]
+    prefix = text[:cut]
+    source_ids, _ = tokenize_with_offsets(source_tokenizer, prefix)
+    source_cache = _evaluated(prefill(source, mx.array(source_ids)[None]))
+    return _Context(mx.array(ids_cut), source_cache, prefix)
 
 
 def _evaluated(cache):
@@ -117,222 +147,273 @@ def _evaluated(cache):
     return cache
 
 
-def profile_translate(source, target, translator, source_cache, tokens) -> Dict[str, float]:
-    """Where translation time goes, with an evaluation after each phase (so the
-    sum exceeds an unsynchronized run a little): reading and un-rotating the source
-    keys, the map matmuls, re-rotating and writing the target cache."""
-    from mlx_lm.models.cache import make_prompt_cache
+def _nbytes(cache) -> int:
+    return sum(c.keys.nbytes + c.values.nbytes for c in cache if c.keys is not None)
 
-    n = tokens.shape[-1] - 1
-    k = min(translator.spec.native_prefix, n)
-    out = {}
+
+def _switch(source, target, translator, ctx: _Context, m: int, tokenizers):
+    from .switch import switch, switch_text
+
+    if ctx.text is None:
+        return switch(source, target, translator, ctx.tokens, source_cache=ctx.source_cache,
+                      native_tail=m)
+    return switch_text(source, tokenizers[0], target, tokenizers[1], translator, ctx.text,
+                       source_cache=ctx.source_cache, native_tail=m)
+
+
+def _timed_switch(source, target, translator, ctx, m, tokenizers):
+    """(translate_s, first_step_s, extra bytes at the peak, target cache bytes)."""
+    from .switch import first_step
+
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = _switch(source, target, translator, ctx, m, tokenizers)
     t0 = time.perf_counter()
-    cache = make_prompt_cache(target)
-    if k:
-        prefill(target, tokens.reshape(1, -1)[:, :k], cache)
-        _evaluated(cache)
+    first_step(target, result)
+    step = time.perf_counter() - t0
+    return result.translate_s, step, mx.get_peak_memory() - active, _nbytes(result.cache)
+
+
+def _timed_prefill(target, tokens: mx.array):
+    """(re-prefill time to first token, its bare decoding step): the body over all
+    tokens but the last, then one bare step on the target's own cache."""
+    from .switch import SwitchResult, first_step
+
+    t0 = time.perf_counter()
+    cache = _evaluated(prefill(target, tokens[None, :-1]))
     t1 = time.perf_counter()
-    keys, values, _ = cache_features(source, source_cache, translator.source_layers, span=(k, n))
-    mx.eval([x for x in keys + values if x is not None])
+    first_step(target, SwitchResult(cache, tokens[-1:], 0.0))
     t2 = time.perf_counter()
-    tk, tv = translator(keys, values)
-    mx.eval(tk, tv)
-    t3 = time.perf_counter()
-    build_cache(target, tk, tv, start=k, cache=cache)
-    _evaluated(cache)
-    t4 = time.perf_counter()
-    out.update(native_prefix_s=t1 - t0, read_unrope_s=t2 - t1, maps_s=t3 - t2,
-               rerope_write_s=t4 - t3)
-    return out
+    return t2 - t0, t2 - t1
 
 
-# ---------------------------------------------------------------------------
-# The prototype of the faster translation, kept for comparison: both of its ideas
-# (memoized native prefix, rope tables shared across layers) are now in
-# switch.py / models.py, so its column should match translate_s.
+def _map_inputs(target, translator, context: int):
+    """Inputs ready in memory for the maps alone: per target layer, one row per
+    position its cache holds (a sliding layer: its window)."""
+    inputs = []
+    for lg, km in zip(cache_geometry(target).layers, translator.k_maps):
+        rows = min(context - 1, lg.window) if lg.window else context - 1
+        inputs.append(mx.random.normal((1, rows, km.weight.shape[1])))
+    mx.eval(inputs)
+    return inputs
 
 
-def proposed_translate(source, target, translator, source_cache, tokens, memo: dict):
-    """``translate_cache`` with (1) the native prefix's K/V memoized per prefix ids
-    (exact: position 0's K/V depend on token 0 only), (2) rope applied from probed
-    cos/sin tables instead of ``mx.fast.rope`` (bit-identical, faster on CPU),
-    one table per distinct rope module and span."""
-    from mlx_lm.models.cache import make_prompt_cache
+def _timed_maps(translator, inputs) -> float:
+    t0 = time.perf_counter()
+    mx.eval([(km(x), vm(x)) for x, km, vm in zip(inputs, translator.k_maps, translator.v_maps)])
+    return time.perf_counter() - t0
 
-    from .models import (
-        _flatten_heads,
-        _split_heads,
-        append_layer,
-        cache_dtype,
-        cache_geometry,
-        describe_rope,
-        read_layer,
-    )
 
-    tokens = tokens.reshape(-1)
-    n = tokens.size - 1
-    k = min(translator.spec.native_prefix, n)
-    cache = make_prompt_cache(target)
-    if k:
-        key = (id(target), tuple(tokens[:k].tolist()))
-        if key not in memo:
-            own = prefill(target, tokens[None, :k])
-            memo[key] = [read_layer(c)[:2] for c in own]
-            mx.eval(memo[key])
-        for c, (pk, pv) in zip(cache, memo[key]):
-            append_layer(c, pk, pv, 0, k)
-    tables = {}
+def _working_set(translator, inputs) -> int:
+    """Bytes of the switch's intermediates at most: two layers' source features (K
+    and V) and map outputs (the switch reads the next layer's sources while it
+    writes one layer)."""
+    return 2 * max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
+                   for x, km in zip(inputs, translator.k_maps))
 
-    def table(rope, D):  # one table per distinct rope (layers usually share one)
-        key = (json.dumps(describe_rope(rope), sort_keys=True), D)
-        t = tables.get(key)
-        if t is None:
-            t = tables[key] = rope_tables(rope, k, n - k, D)
-        return t
 
-    keys, values = [None] * len(source_cache), [None] * len(source_cache)
-    for i in translator.source_layers:
-        kk, vv, _ = read_layer(source_cache[i])
-        kk, vv = kk[..., k:n, :], vv[..., k:n, :]
-        rope = source.layers[i].self_attn.rope
-        kk = apply_rope_tables(kk, table(rope, kk.shape[-1]), rope, inverse=True)
-        keys[i], values[i] = _flatten_heads(kk), _flatten_heads(vv)
-    tk, tv = translator(keys, values)
-    dtype = cache_dtype(target)
-    for i, (c, lg) in enumerate(zip(cache, cache_geometry(target).layers)):
-        rope = target.layers[i].self_attn.rope
-        kk = _split_heads(tk[i], lg.n_kv_heads)
-        kk = apply_rope_tables(kk, table(rope, lg.head_dim), rope)
-        append_layer(c, kk.astype(dtype), _split_heads(tv[i], lg.n_kv_heads).astype(dtype), k, n)
-    return cache
+def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
+                   tokenizers=None) -> Dict[str, float]:
+    """Where a switch's time goes, with an evaluation after each part (so the sum
+    exceeds an unprofiled switch a little): aligning the text (cross-tokenizer),
+    the native prefix, reading and un-rotating the source keys, the map matmuls,
+    re-rotating and writing the target cache, and the first step."""
+    from .align import align_text, identity_alignment
+    from .switch import _native_tail, _switch_aligned, first_step
+
+    t0 = time.perf_counter()
+    if ctx.text is None:
+        alignment = identity_alignment(ctx.tokens.tolist(), translator.spec.native_prefix)
+    else:
+        alignment = align_text(tokenizers[0], tokenizers[1], ctx.text,
+                               translator.spec.native_prefix)
+    phases = {"align_s": time.perf_counter() - t0}
+    result = _switch_aligned(source, target, translator, ctx.source_cache, alignment,
+                             mx.array(alignment.target_tokens)[None],
+                             _native_tail(translator, m), time.perf_counter(), phases)
+    t1 = time.perf_counter()
+    first_step(target, result)
+    phases["first_step_s"] = time.perf_counter() - t1
+    return phases
 
 
 def measure_ttft(
     source: nn.Module,
     target: nn.Module,
     translator: Translator,
-    stream: Sequence[int],
+    stream: Optional[Sequence[int]],
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    repeats: int = 5,
+    repeats: int = 3,
     warmup: int = 1,
     profile: bool = True,
-    proposed: bool = True,
     log: Optional[Callable[[str], None]] = None,
+    native_tails: Sequence[int] = (0,),
+    text: Optional[str] = None,
+    tokenizers=None,
 ) -> List[TTFTRow]:
-    """Time re-prefill and switch side by side for each context length, on the
-    first ``context`` tokens of ``stream`` (token ids read alike by both models).
-    Medians of ``repeats`` runs after ``warmup`` untimed runs of each path; the two
-    paths alternate so slow drift of the machine affects both alike."""
+    """Time re-prefill, switch and the ceiling's parts side by side for each context
+    length: on the first ``context`` tokens of ``stream`` (token ids read alike by
+    both models), or, for models with different tokenizers, on the prefix of
+    ``text`` that the target reads as ``context`` tokens (``tokenizers``: (source,
+    target)). Medians of ``repeats`` runs after ``warmup`` untimed runs; within a
+    run the paths alternate so slow drift of the machine affects all alike. One row
+    per context and native tail."""
     log = log or (lambda s: None)
+    tails = sorted(set(native_tails) | {0})
     rows = []
     for context in contexts:
-        if context > len(stream):
-            raise ValueError(f"The text has {len(stream)} tokens, fewer than {context}.")
-        tokens = mx.array(list(stream[:context]))
-        source_cache = _evaluated(prefill(source, tokens[None, :-1]))  # the source's turn
-        pre, trans, dec, steps, peaks, extras, prop = [], [], [], [], [], [], []
-        memo, diff = {}, None
+        if text is None:
+            if context > len(stream):
+                raise ValueError(f"The text has {len(stream)} tokens, fewer than {context}.")
+            ctx = _shared_context(source, stream, context)
+        else:
+            ctx = _text_context(source, tokenizers[0], tokenizers[1], text, context)
+        T = ctx.tokens.size
+        inputs = _map_inputs(target, translator, T)
+        pre, steps, maps = [], [], []
+        sw = {m: ([], []) for m in tails}
+        extra, cache_bytes = [], 0
         for i in range(warmup + repeats):
-            p = _first_token_s(target, tokens, None)
-            active = mx.get_active_memory()
-            mx.reset_peak_memory()
-            result = switch(source, target, translator, tokens, source_cache=source_cache)
-            peak = mx.get_peak_memory()
-            d = _first_token_s(target, result.last_token, result.cache)
-            from mlx_lm.models.cache import trim_prompt_cache
-
-            trim_prompt_cache(result.cache, result.cache[0].offset - (context - 1))
-            b = _bare_step_s(target, result.last_token, result.cache)
-            if proposed:
-                t0 = time.perf_counter()
-                cache = _evaluated(proposed_translate(source, target, translator,
-                                                      source_cache, tokens, memo))
-                pt = time.perf_counter() - t0
-                if diff is None:
-                    trim_prompt_cache(result.cache, 1)
-                    diff = max(
-                        max(mx.abs(a.keys[..., :a.offset, :] - c.keys[..., :c.offset, :]).max().item(),
-                            mx.abs(a.values[..., :a.offset, :] - c.values[..., :c.offset, :]).max().item())
-                        for a, c in zip(result.cache, cache)
-                    )
-                del cache
+            p, d = _timed_prefill(target, ctx.tokens)
+            ms = _timed_maps(translator, inputs)
+            for m in tails:
+                tr, fs, ex, cache_bytes_m = _timed_switch(source, target, translator, ctx, m,
+                                                          tokenizers)
+                if i >= warmup:
+                    sw[m][0].append(tr)
+                    sw[m][1].append(fs)
+                    if m == 0:
+                        extra.append(ex)
+                        cache_bytes = cache_bytes_m
             if i >= warmup:
                 pre.append(p)
-                trans.append(result.translate_s)
-                dec.append(d)
-                steps.append(b)
-                peaks.append(peak)
-                extras.append(peak - active)
-                if proposed:
-                    prop.append(pt)
-            del result
-        sw = [t + d for t, d in zip(trans, dec)]
+                steps.append(d)
+                maps.append(ms)
         med = statistics.median
-        row = TTFTRow(
-            context=context,
-            prefill_s=med(pre),
-            switch_s=med(sw),
-            ratio=med(pre) / med(sw),
-            translate_s=med(trans),
-            decode_s=med(dec),
-            translate_peak_mb=max(peaks) / 2**20,
-            translate_extra_mb=max(extras) / 2**20,
-            repeats=repeats,
-            decode_step_s=med(steps),
-            translate_proposed_s=med(prop) if prop else None,
-            proposed_max_abs_diff=diff,
-            prefill_all_s=pre,
-            switch_all_s=sw,
-        )
-        if profile:
-            row.translate_profile = profile_translate(
-                source, target, translator, source_cache, tokens
+        ceiling = [d + ms for d, ms in zip(steps, maps)]
+        source_mb = _nbytes(ctx.source_cache) / 2**20
+        maps_mb = sum(w.nbytes for km, vm in zip(translator.k_maps, translator.v_maps)
+                      for w in (km.weight, vm.weight)) / 2**20
+        working_mb = _working_set(translator, inputs) / 2**20
+        target_mb = cache_bytes / 2**20
+        bound = source_mb + target_mb + maps_mb + working_mb
+        held = source_mb + maps_mb + max(extra) / 2**20
+        memory = {
+            "source_cache_mb": source_mb, "target_cache_mb": target_mb, "maps_mb": maps_mb,
+            "layer_working_set_mb": working_mb, "bound_mb": bound,
+            "switch_peak_mb": held, "within_bound": float(held <= bound),
+        }
+        profile_s = profile_switch(source, target, translator, ctx, 0, tokenizers) if profile else {}
+        for m in tails:
+            trans, first = sw[m]
+            totals = [a + b for a, b in zip(trans, first)]
+            ratio = med(pre) / med(totals)
+            ceiling_ratio = med(pre) / med(ceiling)
+            row = TTFTRow(
+                context=T, prefill_s=med(pre), switch_s=med(totals), ratio=ratio,
+                translate_s=med(trans), decode_s=med(first),
+                translate_peak_mb=held, translate_extra_mb=max(extra) / 2**20,
+                repeats=repeats, decode_step_s=med(steps), maps_s=med(maps),
+                ceiling_s=med(ceiling), ceiling_ratio=ceiling_ratio,
+                fraction=ratio / ceiling_ratio, native_tail=m, memory=dict(memory),
+                prefill_all_s=pre, switch_all_s=totals, ceiling_all_s=ceiling,
+                translate_profile=profile_s if m == 0 else {},
             )
-        del source_cache
-        log(f"  context {context:>5}: re-prefill {row.prefill_s * 1e3:8.1f} ms, switch "
-            f"{row.switch_s * 1e3:7.1f} ms (translate {row.translate_s * 1e3:6.1f} + decode "
-            f"{row.decode_s * 1e3:6.1f}), {row.ratio:5.1f}x")
-        rows.append(row)
+            log(f"  context {T:>5}, tail {m:>3}: re-prefill {row.prefill_s * 1e3:8.1f} ms, "
+                f"switch {row.switch_s * 1e3:7.1f} ms (translate {row.translate_s * 1e3:6.1f} "
+                f"+ first step {row.decode_s * 1e3:6.1f}), {row.ratio:5.1f}x; ceiling "
+                f"{row.ceiling_s * 1e3:7.1f} ms, {row.ceiling_ratio:5.1f}x; "
+                f"{row.fraction:6.1%} of the ceiling")
+            rows.append(row)
+        del ctx, inputs
     return rows
 
-
 def format_rows(rows: Sequence[TTFTRow]) -> str:
-    lines = [f"{'context':>7} {'prefill_s':>10} {'switch_s':>9} {'ratio':>7} "
-             f"{'translate_s':>11} {'decode_s':>9} {'step_s':>7} {'peak MB':>8} {'extra MB':>8} "
-             f"{'proposed translate_s':>20}"]
+    """The table: achieved and ceiling ratios, their fraction, the switch's split
+    (translate + first step) and the ceiling's parts, and memory."""
+    lines = [f"{'pair':<20} {'context':>7} {'tail':>4} {'prefill_s':>9} {'switch_s':>8} "
+             f"{'ratio':>6} {'ceiling':>7} {'fraction':>8} {'translate_s':>11} "
+             f"{'first_s':>7} {'maps_s':>7} {'step_s':>7} {'peak MB':>7} {'bound MB':>8}"]
     for r in rows:
-        prop = f"{r.translate_proposed_s:.4f}" if r.translate_proposed_s is not None else "-"
+        bound = r.memory.get("bound_mb", float("nan"))
         lines.append(
-            f"{r.context:>7} {r.prefill_s:>10.4f} {r.switch_s:>9.4f} {r.ratio:>6.1f}x "
-            f"{r.translate_s:>11.4f} {r.decode_s:>9.4f} {r.decode_step_s:>7.4f} "
-            f"{r.translate_peak_mb:>8.1f} {r.translate_extra_mb:>8.1f} {prop:>20}"
+            f"{r.pair[:20]:<20} {r.context:>7} {r.native_tail:>4} {r.prefill_s:>9.4f} "
+            f"{r.switch_s:>8.4f} {r.ratio:>5.1f}x {r.ceiling_ratio:>6.1f}x {r.fraction:>8.1%} "
+            f"{r.translate_s:>11.4f} {r.decode_s:>7.4f} {r.maps_s:>7.4f} {r.decode_step_s:>7.4f} "
+            f"{r.translate_peak_mb:>7.1f} {bound:>8.1f}"
         )
     return "\n".join(lines)
 
 
+def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
+    """The results as a small markdown page: machine, table, split, memory, notes."""
+    env = result["environment"]
+    mem = ["| pair | context | source cache | target cache | maps | working set | bound | "
+           "switch peak | within |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.native_tail == 0:
+            m = r.memory
+            mem.append(f"| {r.pair} | {r.context} | {m['source_cache_mb']:.1f} | "
+                       f"{m['target_cache_mb']:.1f} | {m['maps_mb']:.1f} | "
+                       f"{m['layer_working_set_mb']:.1f} | {m['bound_mb']:.1f} | "
+                       f"{m['switch_peak_mb']:.1f} | {'yes' if m['within_bound'] else 'no'} |")
+    return "\n".join([
+        "# Time to first token after a switch",
+        "",
+        f"{env['platform']}, {env['cpu']} ({env['cpu_count']} cores), {env['device']}, mlx "
+        f"{env['mlx']}, mlx-lm {env['mlx_lm']}, BLAS: {env['blas']}, thread settings: "
+        f"{env.get('threads_env') or 'default'}; load average before / after: "
+        f"{result['load_average_before']} / {env['load_average']}. Medians of "
+        f"{result['repeats']} runs after {result['warmup']} warm-up.",
+        "",
+        "```", format_rows(rows), "```", "",
+        "Split of one profiled switch (ms; an evaluation after each part):", "",
+        "```", format_split(rows), "```", "",
+        "Memory (MB, MLX allocator, model weights excluded):", "", *mem, "",
+        result["note"], "",
+    ])
+
+
+def format_split(rows: Sequence[TTFTRow]) -> str:
+    """Where each switch's time goes (profiled runs, milliseconds)."""
+    parts = ("align_s", "native_prefix_s", "read_unrope_s", "maps_s", "rerope_write_s",
+             "first_step_s")
+    lines = [f"{'pair':<20} {'context':>7} " + " ".join(f"{p[:-2]:>14}" for p in parts)]
+    for r in rows:
+        if r.translate_profile:
+            lines.append(f"{r.pair[:20]:<20} {r.context:>7} " + " ".join(
+                f"{r.translate_profile.get(p, 0.0) * 1e3:>14.1f}" for p in parts))
+    return "\n".join(lines)
+
+
 def plot_ttft(rows: Sequence[TTFTRow], path, title: str = ""):
-    """TTFT of both paths (and the switch's two parts) against context length, and
-    the speed-up."""
+    """Per pair: TTFT of re-prefill, switch and the ceiling against context length
+    (no native tail), and the achieved and ceiling speed-ups."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r.context for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.plot(x, [r.prefill_s * 1e3 for r in rows], "o-", label="re-prefill")
-    a.plot(x, [r.switch_s * 1e3 for r in rows], "o-", label="switch (translate + 1 step)")
-    a.plot(x, [r.translate_s * 1e3 for r in rows], "--", label="  translate")
-    a.plot(x, [r.decode_s * 1e3 for r in rows], ":", label="  first decoding step")
+    rows = [r for r in rows if r.native_tail == 0]
+    pairs = list(dict.fromkeys(r.pair for r in rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n, pair in enumerate(pairs):
+        rs = [r for r in rows if r.pair == pair]
+        x = [r.context for r in rs]
+        color = f"C{n}"
+        a.plot(x, [r.prefill_s * 1e3 for r in rs], "o-", color=color, label=f"{pair}: re-prefill")
+        a.plot(x, [r.switch_s * 1e3 for r in rs], "s--", color=color, label=f"{pair}: switch")
+        a.plot(x, [r.ceiling_s * 1e3 for r in rs], ":", color=color, label=f"{pair}: ceiling")
+        b.plot(x, [r.ratio for r in rs], "o-", color=color, label=f"{pair}: achieved")
+        b.plot(x, [r.ceiling_ratio for r in rs], ":", color=color, label=f"{pair}: ceiling")
+        for r in rs:
+            b.annotate(f"{r.fraction:.0%}", (r.context, r.ratio), textcoords="offset points",
+                       xytext=(0, 6), ha="center", fontsize=8, color=color)
     a.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="time to first token (ms)")
-    a.set_xticks(x, [str(v) for v in x])
-    a.legend()
-    a.grid(alpha=0.3)
-    b.bar([str(v) for v in x], [r.ratio for r in rows], color="tab:green")
-    for i, r in enumerate(rows):
-        b.text(i, r.ratio, f"{r.ratio:.1f}x", ha="center", va="bottom")
-    b.set(xlabel="context tokens", ylabel="re-prefill / switch")
-    b.grid(alpha=0.3, axis="y")
+    b.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="re-prefill / switch")
+    for ax in (a, b):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -352,71 +433,149 @@ def heldout_stream(tokenizer, min_tokens: int) -> List[int]:
     return stream
 
 
+def heldout_text(tokenizer, min_tokens: int) -> str:
+    """Held-out stdlib docstrings joined into one text that ``tokenizer`` reads as at
+    least ``min_tokens`` tokens (for pairs with different tokenizers)."""
+    import random
+
+    from .data import split_documents, stdlib_documents
+
+    train, heldout = split_documents(stdlib_documents())
+    docs = list(heldout)
+    random.Random(0).shuffle(docs)
+    docs += train
+    parts, n = [], 0
+    for _, text in docs:
+        parts.append(text + "\n\n")
+        n += len(tokenizer.encode(text, add_special_tokens=False)) + 1
+        if n >= min_tokens + 64:
+            break
+    return "".join(parts)
+
+
+DEFAULT_PAIRS = ("smollm2:smollm2", "gemma3:smollm2", "smollm2:gemma3")
+
+
+def _model_path(name: str, log) -> str:
+    """A path as given, or a built-in pretrained name (smollm2, gemma3), fetched once."""
+    from .pretrained import PRETRAINED, fetch
+
+    return str(fetch(name, log=log)) if name in PRETRAINED else name
+
+
+def measure_pair(source_path, target_path, translator_path, contexts, repeats, warmup,
+                 native_tails=(0,), log=None, loaded=None, label=None) -> dict:
+    """One pair's rows: models loaded (``loaded``: a dict path -> (model, tokenizer)
+    shared across pairs), translator from a file or random maps of the right
+    geometry, text from the held-out stdlib docstrings."""
+    from .errors import KvlingoError
+    from .models import load, max_positions, tokenizer_fingerprint
+    from .translator import load_translator
+
+    log = log or (lambda s: None)
+    loaded = {} if loaded is None else loaded
+    for path in (source_path, target_path):
+        if path not in loaded:
+            loaded[path] = load(path)
+    source, stok = loaded[source_path]
+    target, ttok = loaded[target_path]
+    if translator_path:
+        translator = load_translator(translator_path)
+        translator.check_models(source, target, stok, ttok)
+        kind = f"translator file {translator_path}"
+    else:
+        mx.random.seed(0)
+        translator = Translator.for_models(source, target, stok, ttok)
+        mx.eval(translator.parameters())
+        kind = "random maps (timing only: a trained translator of this shape costs the same)"
+    limit = min(x for x in (max_positions(source), max_positions(target), 10**9) if x)
+    contexts = [c for c in contexts if c <= limit]
+    if not contexts:
+        raise KvlingoError("No context length fits the models' maximum positions.")
+    cross = tokenizer_fingerprint(stok) != tokenizer_fingerprint(ttok)
+    pair = label or f"{Path(source_path).name} -> {Path(target_path).name}"
+    log(f"TTFT {pair} ({'different tokenizers: text aligned inside the switch' if cross else 'shared tokenizer'}); translator: {kind}")
+    if cross:
+        text = heldout_text(ttok, max(contexts))
+        rows = measure_ttft(source, target, translator, None, contexts, repeats, warmup,
+                            log=log, native_tails=native_tails, text=text,
+                            tokenizers=(stok, ttok))
+    else:
+        stream = heldout_stream(ttok, max(contexts))
+        rows = measure_ttft(source, target, translator, stream, contexts, repeats, warmup,
+                            log=log, native_tails=native_tails)
+    for r in rows:
+        r.pair = pair
+    return {"source": str(source_path), "target": str(target_path), "translator": kind,
+            "cross_tokenizer": cross, "rows": rows}
+
+
+NOTE = (
+    "Per context T (target tokens) and native tail m. prefill_s: the target's body over "
+    "T - 1 tokens in one pass, then one bare decoding step on the last (decode_step_s). "
+    "switch_s = translate_s + decode_s: the source's cache of the context is given (it "
+    "read the context during its turn); translate_s builds the target's cache (for "
+    "different tokenizers: tokenizing and aligning the text included), decode_s is the "
+    "target's first step over the pending tokens (native tail + last token) with "
+    "switch.first_step. Ceiling: ceiling_s = decode_step_s + maps_s (the translator's map "
+    "matmuls alone over the positions the target's cache holds, inputs in memory); "
+    "ceiling_ratio = prefill_s / ceiling_s; fraction = ratio / ceiling_ratio. All parts "
+    "are timed in the same run, interleaved; medians of `repeats`. translate_profile: one "
+    "profiled switch (an evaluation after each part). Memory (MB, MLX allocator): "
+    "switch_peak_mb = source cache + maps + the switch's own allocations at their peak "
+    "(translation and first step); bound_mb = source cache + target cache + maps + two "
+    "layers' working set (source features and map outputs of the layer being written and "
+    "of the next, whose sources are read ahead). Model weights excluded."
+)
+
+
 def run_ttft_benchmark(
     target_path: Optional[str] = None,
     source_path: Optional[str] = None,
     translator_path: Optional[str] = None,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    repeats: int = 5,
+    repeats: int = 3,
     warmup: int = 1,
     json_out=None,
     plot_out=None,
     log: Optional[Callable[[str], None]] = print,
+    pairs: Optional[Sequence[str]] = None,
+    native_tails: Sequence[int] = (0,),
 ) -> dict:
-    """The TTFT benchmark: target ``target_path`` (default SmolLM2-135M-Instruct,
-    float32, from :mod:`mlx_kvlingo.pretrained`); source ``source_path`` (default
-    the target itself); translator from ``translator_path`` or random maps of the
-    right shape. Writes JSON (and a PNG plot) when paths are given; returns the
-    result dict."""
-    from .errors import KvlingoError
-    from .models import load
-    from .translator import load_translator
-
+    """The TTFT benchmark over ``pairs`` ("source:target", models by path or built-in
+    name; default: SmolLM2 -> SmolLM2 and both directions of Gemma 3 270M <->
+    SmolLM2) or, when ``target_path`` is given, the one pair ``source_path`` (default
+    the target itself) -> ``target_path``. Translator from ``translator_path`` (one
+    pair only) or random maps of the right geometry. Writes JSON (and a PNG plot)
+    when paths are given; returns the result dict."""
     log = log or (lambda s: None)
-    if target_path is None:
-        from .pretrained import fetch
+    if target_path is not None:
+        pairs = [f"{source_path or target_path}:{target_path}"]
+    pairs = list(pairs or DEFAULT_PAIRS)
+    if translator_path and len(pairs) > 1:
+        from .errors import KvlingoError
 
-        target_path = str(fetch("smollm2", log=log))
-    target, tokenizer = load(target_path)
-    if source_path is None or source_path == target_path:
-        source, source_path = target, target_path
-    else:
-        source, _ = load(source_path)
-    if translator_path:
-        translator = load_translator(translator_path)
-        translator.check_models(source, target)
-        kind = f"translator file {translator_path}"
-    else:
-        mx.random.seed(0)
-        translator = Translator.for_models(source, target)
-        mx.eval(translator.parameters())
-        kind = "random maps (timing only: a trained translator of this shape costs the same)"
-    max_pos = getattr(getattr(target, "args", None), "max_position_embeddings", None)
-    if max_pos:
-        contexts = [c for c in contexts if c <= max_pos]
-    if not contexts:
-        raise KvlingoError("No context length fits the target's maximum position.")
-    log(f"TTFT: target {target_path}, source {source_path}, translator: {kind}")
-    stream = heldout_stream(tokenizer, max(contexts))
+        raise KvlingoError("A translator file fits one pair: give --target (and --source).")
     load_before = environment()["load_average"]
-    rows = measure_ttft(source, target, translator, stream, contexts, repeats, warmup, log=log)
+    loaded, results = {}, []
+    for spec in pairs:
+        source_name, _, target_name = spec.partition(":")
+        target_name = target_name or source_name
+        label = f"{Path(source_name).name} -> {Path(target_name).name}"
+        results.append(measure_pair(
+            _model_path(source_name, log), _model_path(target_name, log),
+            translator_path, contexts, repeats, warmup, native_tails, log, loaded, label))
+    rows = [r for p in results for r in p["rows"]]
     result = {
         "benchmark": "ttft",
-        "target": str(target_path),
-        "source": str(source_path),
-        "translator": kind,
-        "note": ("switch_s = translate_s + decode_s: the source's cache of the context is "
-                 "given (it read the context during its turn); translate the cache, then "
-                 "the target's first decoding step on the last context token. prefill_s: "
-                 "the target reads the whole context and yields its first token. Both "
-                 "through mlx_lm.generate.generate_step; medians of `repeats` runs. "
-                 "decode_step_s: one bare decoding step on the translated cache (mlx-lm's "
-                 "loop also schedules the second step before returning the first token). "
-                 "translate_proposed_s: a prototype of the proposed faster translation "
-                 "(memoized native prefix, rope from probed tables), not the shipped path; "
-                 "proposed_max_abs_diff: its cache vs the shipped one."),
+        "pairs": [dict(p, rows=[r.to_dict() for r in p["rows"]]) for p in results],
+        "target": results[0]["target"],
+        "source": results[0]["source"],
+        "translator": results[0]["translator"],
+        "note": NOTE,
         "repeats": repeats,
         "warmup": warmup,
+        "native_tails": sorted(set(native_tails) | {0}),
         "environment": environment(),
         "load_average_before": load_before,
         "rows": [r.to_dict() for r in rows],
@@ -425,8 +584,8 @@ def run_ttft_benchmark(
         json_out = Path(json_out)
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2))
+        json_out.with_suffix(".md").write_text(format_report(result, rows))
     if plot_out:
-        name = Path(str(target_path)).name
-        plot_ttft(rows, plot_out, title=f"TTFT after a switch vs re-prefill: {name}, "
+        plot_ttft(rows, plot_out, title=f"TTFT after a switch vs re-prefill and the ceiling: "
                   f"{result['environment']['device']}, mlx {mx.__version__}")
     return result

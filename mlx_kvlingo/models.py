@@ -323,6 +323,88 @@ def rerope(rope: nn.Module, keys: mx.array, start: int, tables=None) -> mx.array
     return apply_rope_tables(keys, tables, rope)
 
 
+# The switch's rotations: one fused kernel per call instead of a dozen elementwise
+# ops. A rope rotates pairs of dims, so for a full-width rope
+#     rope(x) = x * C + swap(x) * S
+# where swap exchanges the two elements of every pair and the "planes" C, S hold
+# each pair's cos (twice) and signed sin. The inverse uses the same form.
+
+
+def rope_planes(model: nn.Module, layer: int, start: int, length: int, head_dim: int,
+                inverse: bool = False) -> Optional[Tuple[mx.array, mx.array]]:
+    """Planes (C, S), each [length, head_dim], for :func:`rotate_planes` with the rope of
+    ``model.layers[layer]`` at positions start..start+length-1 (``inverse``: undo it).
+    None for a rope that rotates only part of the head (use :func:`unrope`).
+
+    Memoized per model and distinct rope for positions from 0 (grown by doubling),
+    so a switch slices them instead of probing the module."""
+    rope = model.layers[layer].self_attn.rope
+    if _rotated_dims(rope, head_dim) != head_dim or head_dim % 2:
+        return None
+    memo = model.__dict__.get("_kvlingo_rope_planes")
+    if memo is None:  # object.__setattr__: a dict set through nn.Module becomes a child
+        memo = {}
+        object.__setattr__(model, "_kvlingo_rope_planes", memo)
+    key = (json.dumps(cache_geometry(model).layers[layer].rope, sort_keys=True), head_dim,
+           inverse)
+    planes = memo.get(key)
+    if planes is None or planes[0].shape[0] < start + length:
+        size = max(256, 1 << (start + length - 1).bit_length())
+        planes = memo[key] = _planes_from_tables(rope_tables(rope, 0, size, head_dim), rope,
+                                                 inverse)
+        mx.eval(planes)
+    return planes[0][start : start + length], planes[1][start : start + length]
+
+
+def _planes_from_tables(tables: mx.array, rope: nn.Module, inverse: bool):
+    h = tables.shape[-1] // 2
+    if getattr(rope, "traditional", False):
+        c, s = tables[:, 0::2], tables[:, 1::2]
+    else:
+        c, s = tables[:, :h], tables[:, h:]
+    if inverse:  # R(-t) / s², dividing out any input scale (as apply_rope_tables)
+        n = c * c + s * s
+        c, s = c / n, -s / n
+    if getattr(rope, "traditional", False):
+        C = mx.stack([c, c], axis=-1).reshape(c.shape[0], 2 * h)
+        S = mx.stack([-s, s], axis=-1).reshape(c.shape[0], 2 * h)
+    else:
+        C = mx.concatenate([c, c], axis=-1)
+        S = mx.concatenate([-s, s], axis=-1)
+    return C, S
+
+
+def _rotate(x, C, S, traditional: bool, dtype):
+    shape = x.shape
+    h = shape[-1] // 2
+    if traditional:
+        swapped = x.reshape(*shape[:-1], h, 2)[..., ::-1]
+    else:
+        swapped = x.reshape(*shape[:-1], 2, h)[..., ::-1, :]
+    return (x * C + swapped.reshape(shape) * S).astype(dtype)
+
+
+_ROTATE_KERNELS = {}  # (shapes, traditional, dtype) -> compiled _rotate; bounded below
+
+
+def rotate_planes(x: mx.array, planes: Tuple[mx.array, mx.array], traditional: bool,
+                  dtype: Optional[mx.Dtype] = None) -> mx.array:
+    """``x * C + swap(x) * S`` ([..., T, D], planes broadcast against x), cast to
+    ``dtype``, as one compiled kernel per shape. Its output is contiguous in ``x``'s
+    logical shape whatever x's strides, so a transposed view comes out transposed
+    (this is how the switch gets cache layout without another copy)."""
+    C, S = planes
+    dtype = dtype or x.dtype
+    key = (x.shape, C.shape, traditional, dtype)
+    kernel = _ROTATE_KERNELS.get(key)
+    if kernel is None:
+        if len(_ROTATE_KERNELS) >= 64:  # one trace per shape: keep memory bounded
+            _ROTATE_KERNELS.clear()
+        kernel = _ROTATE_KERNELS[key] = mx.compile(
+            lambda x, C, S: _rotate(x, C, S, traditional, dtype))
+    return kernel(x, C, S)
+
+
 # ---------------------------------------------------------------------------
 # Reading and writing caches
 
@@ -477,6 +559,20 @@ def build_cache(
         v = _split_heads(v, lg.n_kv_heads)
         append_layer(c, k.astype(dtype), v.astype(dtype), start, start + T)
     return cache
+
+
+def set_layer(c, keys: mx.array, values: mx.array, end: int, length: int):
+    """Give an empty layer cache the buffers ``keys``/``values`` ([B, heads, rows,
+    head_dim]) whose first ``length`` rows hold the positions ending at ``end``, in
+    temporal order; rows past ``length`` are free space that the next tokens are
+    written into in place (as mlx-lm's own preallocated steps)."""
+    if c.keys is not None:
+        raise KvlingoError("set_layer needs an empty layer cache.")
+    if isinstance(c, RotatingKVCache):
+        if keys.shape[2] > c.max_size:
+            raise KvlingoError(f"{keys.shape[2]} rows do not fit a {c.max_size}-position window.")
+        c._idx = length
+    c.keys, c.values, c.offset = keys, values, end
 
 
 def append_layer(c, keys: mx.array, values: mx.array, start: int, end: int):

@@ -2,9 +2,16 @@
 
 A switch replaces the target's prefill of the context with (1) a map over the
 source's cache and (2) one decoding step of the target on the context's last
-token, which ``stream_generate`` performs as its "prompt".
+token (:func:`first_step`; with a native tail, on its last m + 1 tokens).
+
+For a fresh cache (the switch's case) the translation is written layer by layer
+straight into the cache's buffers, with the rotations and layout copies on a
+second CPU stream beside the map matmuls (:func:`_translate_fresh`); extending
+a live cache (a conversation's spans) takes the general path through
+``models.build_cache``.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -12,18 +19,25 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .align import Alignment, align_text, identity_alignment
+from .align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from .errors import KvlingoError
 from .models import (
     append_layer,
     build_cache,
+    cache_dtype,
     cache_features,
+    cache_geometry,
     cache_length,
+    set_layer,
     max_positions,
     prefill,
     read_layer,
+    rerope,
+    rope_planes,
+    rotate_planes,
+    unrope,
 )
 from .translator import Translator
 
@@ -75,14 +89,36 @@ def translate_aligned(
     alignment: Alignment,
     end: int,
     target_tokens: Optional[mx.array] = None,
+    native_tail: Optional[int] = 0,
 ) -> List:
     """Extend ``target_cache`` to target positions ..end-1 of ``alignment``: native
     positions are computed by the target, in order; the others are translated from
     the source positions they are aligned to (which ``source_cache`` must hold).
 
     ``target_tokens``: [B, T] ids when B > 1 (default: ``alignment.target_tokens``).
+    ``native_tail``: the last m positions before ``end`` are computed by the target
+    itself on top of the translated ones (None: the translator's default,
+    ``spec.native_tail``). Spans of a conversation (Session, training) pass 0.
     """
+    m = _native_tail(translator, native_tail)
     alignment = alignment.with_native_prefix(translator.spec.native_prefix)
+    alignment = alignment.with_native_tail(m, end)
+    return _translate(source, target, translator, source_cache, target_cache, alignment,
+                      end, target_tokens, room=1)
+
+
+def _native_tail(translator: Translator, native_tail: Optional[int]) -> int:
+    m = getattr(translator.spec, "native_tail", 0) if native_tail is None else native_tail
+    if not isinstance(m, int) or m < 0:
+        raise KvlingoError(f"native_tail must be a count >= 0, got {m!r}.")
+    return m
+
+
+def _translate(source, target, translator, source_cache, target_cache, alignment, end,
+               target_tokens, room: int, phases: Optional[dict] = None) -> List:
+    """:func:`translate_aligned` after the alignment is final. ``room``: positions the
+    caller will add next (the first decoding step and any native tail), so that
+    fresh caches are allocated with space for them."""
     if target_tokens is None:
         target_tokens = mx.array(alignment.target_tokens)[None]
     start = 0 if target_cache is None else cache_length(target_cache)
@@ -97,17 +133,22 @@ def translate_aligned(
             f"The context has {len(alignment.target_tokens)} target tokens; the target "
             f"model handles at most {limit} positions."
         )
-    for native, lo, hi in alignment.runs(start, end):
+    runs = alignment.runs(start, end)
+    if target_cache is None and _fresh_block_fits(runs):
+        # The switch's case: [native prefix] + one translated block (+ native runs
+        # after it), written straight into one preallocated buffer per layer.
+        k = runs[0][2] if runs[0][0] else 0
+        hi = runs[1][2] if runs[0][0] else runs[0][2]
+        target_cache = _translate_fresh(source, target, translator, source_cache,
+                                        alignment, target_tokens, k, hi, room + end - hi, phases)
+        runs = alignment.runs(hi, end) if hi < end else []
+    for native, lo, hi in runs:
         if native:
             target_cache = _native_run(target, target_tokens, lo, hi, target_cache)
             continue
         idx = alignment.source_index[lo:hi]
         first, last = min(idx), max(idx)
-        if cache_length(source_cache) <= last:
-            raise KvlingoError(
-                f"The source cache holds {cache_length(source_cache)} tokens; "
-                f"position {last} is needed."
-            )
+        _check_source_holds(source_cache, last)
         keys, values, _ = cache_features(
             source, source_cache, translator.source_layers, span=(first, last + 1)
         )
@@ -120,24 +161,227 @@ def translate_aligned(
     return target_cache
 
 
-def _native_run(target, tokens, lo: int, hi: int, cache):
-    """Positions lo..hi-1 computed by the target itself. A run from position 0 (BOS,
-    the attention sink) depends only on its token ids, so it is memoized per model:
-    a switch then costs no extra forward pass for it."""
-    if lo or tokens.shape[0] != 1:
-        return prefill(target, tokens[:, lo:hi], cache)
+def _check_source_holds(source_cache, last: int):
+    if cache_length(source_cache) <= last:
+        raise KvlingoError(
+            f"The source cache holds {cache_length(source_cache)} tokens; "
+            f"position {last} is needed."
+        )
+
+
+def _fresh_block_fits(runs) -> bool:
+    """True when the runs start with [a native run,] one translated run."""
+    if runs and runs[0][0]:
+        runs = runs[1:]
+    return bool(runs) and not runs[0][0]
+
+
+def _translate_fresh(source, target, translator, source_cache, alignment, target_tokens,
+                     k: int, hi: int, room: int, phases: Optional[dict] = None) -> List:
+    """A fresh target cache for positions 0..hi-1: 0..k-1 computed by the target (the
+    memoized native prefix), k..hi-1 translated, with ``room`` free positions.
+
+    Per target layer the maps run over every row of the layer's buffer (its prefix
+    and free rows too, a few wasted rows), so that the map outputs *are* the
+    buffers: keys get re-rotated by one fused kernel that writes cache layout,
+    values are transposed once, the prefix rows are overwritten in place. No
+    concatenation copies the cache. Sliding-window layers hold (and translate)
+    only the positions they keep."""
+    geometry = cache_geometry(target)
+    dtype = cache_dtype(target)
+    B = target_tokens.shape[0]
+    prefix = _prefix_kv(target, target_tokens, k) if k else None
+    _phase(phases, "native_prefix_s", prefix or [])
+    # Target positions [first, last) each layer's buffer covers.
+    spans = []
+    for lg in geometry.layers:
+        if lg.window:
+            first = max(hi - lg.window, 0)
+            spans.append((first, hi + min(room, max(lg.window - hi, 0))))
+        else:
+            spans.append((0, hi + room))
+    source_first = {}
+    for (first, _), layers in zip(spans, translator.spec.layer_map):
+        for j in layers:
+            source_first[j] = min(source_first.get(j, first), first)
+    top = max(last for _, last in spans)
+    # Source positions per target position; prefix and free rows read any row.
+    index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
+    shared = all(i is None or i == p for p, i in enumerate(index))
+    last_use = {j: i for i, layers in enumerate(translator.spec.layer_map) for j in layers}
+    features = {}
+    copies = _copy_stream() if phases is None else None
+
+    def read_sources(i):
+        for j in translator.spec.layer_map[i]:
+            if j not in features:
+                features[j] = _source_rows(source, source_cache, j, source_first[j],
+                                           index[source_first[j] :], shared, copies)
+                if phases is None:
+                    mx.async_eval(features[j])
+
+    cache = make_prompt_cache(target)
+    read_sources(0)
+    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, translator.spec.layer_map)):
+        first, last = spans[i]
+        rows = last - first
+        if i + 1 < len(cache):  # queued ahead, so it runs beside this layer's matmuls
+            read_sources(i + 1)
+        with _on(copies):  # several source layers per map: concatenated beside the matmuls
+            xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
+            xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
+        _phase(phases, "read_unrope_s", [xk, xv])
+        keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
+        _phase(phases, "maps_s", [keys, values])
+        with _on(copies):
+            keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+            keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
+            rope = target.layers[i].self_attn.rope
+            planes = rope_planes(target, i, first, rows, lg.head_dim)
+            if planes is None:
+                keys = rerope(rope, keys, first).astype(dtype)
+            else:
+                keys = rotate_planes(keys, planes, getattr(rope, "traditional", False), dtype)
+            values = values.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+            values = mx.contiguous(values.transpose(0, 2, 1, 3).astype(dtype))
+            if first < k:  # the native prefix, written over its rows in place
+                keys[..., : k - first, :] = prefix[i][0][..., first:, :]
+                values[..., : k - first, :] = prefix[i][1][..., first:, :]
+        set_layer(c, keys, values, hi, hi - first)
+        _phase(phases, "rerope_write_s", [keys, values])
+        for j in layers:  # free source features after their last reader
+            if last_use[j] == i:
+                del features[j]
+        del xk, xv, keys, values
+        if phases is None:
+            # Layer by layer: about two layers' intermediates are alive (this one
+            # and the next one's sources), and the next graph is built while this
+            # one computes.
+            mx.async_eval(c.keys, c.values)
+    return cache
+
+
+def _phase(phases: Optional[dict], name: str, arrays):
+    """Profiling only (``phases`` given): evaluate what is built so far and add the
+    time since the previous mark to ``phases[name]`` (summed over layers)."""
+    if phases is None:
+        return
+    mx.eval(arrays)
+    now = time.perf_counter()
+    phases[name] = phases.get(name, 0.0) + now - phases.get("_mark", now)
+    phases["_mark"] = now
+
+
+def _source_rows(source, source_cache, layer: int, first: int, index: List[Optional[int]],
+                 shared: bool, stream=None):
+    """Content-space keys and values [B, len(index), heads*head_dim] of source
+    ``layer``, row r holding source position ``index[r]`` (None: any row; its map
+    output is never read). ``first``: the target position of row 0; ``shared``: row
+    r holds position first + r wherever it is not None. The work runs on
+    ``stream`` (default: the current stream).
+
+    A shared tokenizer reads a contiguous range of the cache's own buffer (spare
+    rows past its length included), un-rotated and flattened by one fused kernel;
+    otherwise rows are gathered."""
+    wanted = [i for i in index if i is not None]
+    lo, top = min(wanted), max(wanted)
+    _check_source_holds(source_cache, top)
+    c = source_cache[layer]
+    rows = None
+    if shared and type(c) is KVCache and c.keys is not None and c.keys.shape[2] >= first + len(index):
+        keys = c.keys[..., first : first + len(index), :]
+        values = c.values[..., first : first + len(index), :]
+        start = first
+    else:
+        keys, values, s = read_layer(c)
+        if keys is None or s > lo:
+            raise KvlingoError(
+                f"Layer {layer} of the source cache holds positions {s}.."
+                f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {lo}..{top} "
+                "are needed: a sliding-window layer has dropped early tokens. Prefill the "
+                "source in one pass (mlx_kvlingo.models.prefill) to get complete features."
+            )
+        keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
+        start = lo
+        rows = mx.array([(lo if i is None else i) - lo for i in index])
+    B, H, n, D = keys.shape
+    with _on(stream):
+        keys = _content_keys(source, layer, keys, start)
+        values = values.transpose(0, 2, 1, 3).reshape(B, n, H * D)
+        if rows is not None:
+            keys, values = keys[:, rows], values[:, rows]
+    return keys, values
+
+
+def _content_keys(source, layer: int, keys, start: int):
+    """Source keys [B, H, T, D] at positions start.. -> content space [B, T, H*D]."""
+    B, H, n, D = keys.shape
+    planes = rope_planes(source, layer, start, n, D, inverse=True)
+    rope = source.layers[layer].self_attn.rope
+    if planes is None:
+        keys = unrope(rope, keys, start).transpose(0, 2, 1, 3)
+    else:  # [B, T, H, D] out of a transposed view: un-rotated and flattened in one pass
+        C, S = planes
+        keys = rotate_planes(keys.transpose(0, 2, 1, 3), (C[:, None], S[:, None]),
+                             getattr(rope, "traditional", False))
+    return keys.reshape(B, n, H * D)
+
+
+def _on(stream):
+    return mx.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+_COPY_STREAM = []  # one thread-local CPU stream, made once
+
+
+def _copy_stream():
+    """The stream the switch's rotations and layout copies run on, beside the map
+    matmuls on the default stream: on a CPU the two run on two cores at once (MLX
+    runs each stream on its own thread), so the memory-bound copies of one layer
+    overlap the matmuls of the next. Thread-local (as mlx-lm's generation stream),
+    so switches may run on any thread. None where that does not apply."""
+    if mx.default_device() != mx.cpu or not _PARALLEL_STREAMS:
+        return None
+    if not _COPY_STREAM:
+        _COPY_STREAM.append(mx.new_thread_local_stream(mx.cpu))
+    return _COPY_STREAM[0]
+
+
+_PARALLEL_STREAMS = True
+
+
+def _concat(xs: List[mx.array]) -> mx.array:
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+
+
+def _prefix_kv(target, tokens, k: int) -> List:
+    """Per layer (keys, values) of target positions 0..k-1 computed by the target. They
+    depend only on their token ids, so they are memoized per model (B = 1): a
+    switch then costs no extra forward pass for the native prefix."""
+    if tokens.shape[0] != 1:
+        return [read_layer(c)[:2] for c in prefill(target, tokens[:, :k])]
     memo = target.__dict__.get("_kvlingo_prefix_kv")
     if memo is None:  # object.__setattr__: a dict set through nn.Module becomes a child
         memo = {}
         object.__setattr__(target, "_kvlingo_prefix_kv", memo)
-    key = tuple(tokens[0, :hi].tolist())
+    key = tuple(tokens[0, :k].tolist())
     if key not in memo:
         if len(memo) >= 16:
             memo.clear()
-        memo[key] = [read_layer(c)[:2] for c in prefill(target, tokens[:, :hi])]
+        memo[key] = [read_layer(c)[:2] for c in prefill(target, tokens[:, :k])]
         mx.eval(memo[key])
+    return memo[key]
+
+
+def _native_run(target, tokens, lo: int, hi: int, cache):
+    """Positions lo..hi-1 computed by the target itself (from position 0: the
+    memoized native prefix)."""
+    if lo:
+        return prefill(target, tokens[:, lo:hi], cache)
     cache = make_prompt_cache(target) if cache is None else cache
-    for c, (k, v) in zip(cache, memo[key]):
+    for c, (k, v) in zip(cache, _prefix_kv(target, tokens, hi)):
         append_layer(c, k, v, 0, hi)
     return cache
 
@@ -149,29 +393,44 @@ def translate_cache(
     source_cache: List,
     tokens,
     length: Optional[int] = None,
+    native_tail: Optional[int] = 0,
 ) -> List:
     """A fresh target prompt cache for ``tokens[:length]`` from a source cache that has
     processed at least ``length`` tokens (``length`` defaults to ``len(tokens) - 1``,
-    leaving the last token for the target's own decoding step)."""
+    leaving the last token for the target's own decoding step). ``native_tail``: as
+    in :func:`translate_aligned`."""
     tokens = _as_batch(tokens)
     length = tokens.shape[1] - 1 if length is None else length
-    return translate_span(source, target, translator, source_cache, None, tokens, length)
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return translate_aligned(source, target, translator, source_cache, None, alignment,
+                             length, tokens, native_tail=native_tail)
 
 
 def translate_context(
-    source: nn.Module, target: nn.Module, translator: Translator, tokens
+    source: nn.Module, target: nn.Module, translator: Translator, tokens,
+    native_tail: Optional[int] = None,
 ) -> List:
-    """Prefill the source on ``tokens[:-1]`` and translate its cache for the target."""
+    """Prefill the source on ``tokens[:-1]`` and translate its cache for the target;
+    the last ``native_tail`` positions of it (default: the translator's
+    ``spec.native_tail``) are computed by the target itself."""
     tokens = _as_batch(tokens)
     source_cache = prefill(source, tokens[:, :-1])
-    return translate_cache(source, target, translator, source_cache, tokens)
+    return translate_cache(source, target, translator, source_cache, tokens,
+                           native_tail=_native_tail(translator, native_tail))
 
 
 @dataclass
 class SwitchResult:
-    cache: List  # target prompt cache holding all context tokens but the last
-    last_token: mx.array  # the context's last token: the target's first input
-    translate_s: float  # time spent translating (source cache already given)
+    cache: List  # target prompt cache holding the context but its `pending` tokens
+    # What the target reads in its first step: the native tail (if any), then the
+    # context's last token. Cache + pending = the whole context.
+    pending: mx.array
+    translate_s: float  # building `cache` (source cache given; alignment included)
+
+    @property
+    def last_token(self) -> mx.array:
+        """The context's last token."""
+        return self.pending[-1:]
 
 
 def switch(
@@ -180,11 +439,16 @@ def switch(
     translator: Translator,
     tokens,
     source_cache: Optional[List] = None,
+    native_tail: Optional[int] = None,
 ) -> SwitchResult:
     """Hand a context over to the target model.
 
     ``source_cache``: the source's live cache of the context (what it has after its
     turn). Without it the source prefills the context first (not timed).
+    ``native_tail``: the target computes the last m context tokens before the last
+    one itself (default: the translator's ``spec.native_tail``). They are left
+    ``pending``: the target reads them with the last token in its first step, one
+    pass over its weights (see :func:`first_step`).
     """
     tokens = _as_batch(tokens)
     if tokens.shape[0] != 1:
@@ -193,18 +457,133 @@ def switch(
         source_cache = prefill(source, tokens[:, :-1])
         mx.eval([(c.keys, c.values) for c in source_cache])
     t0 = time.perf_counter()
-    cache = translate_cache(source, target, translator, source_cache, tokens)
-    mx.eval([(c.keys, c.values) for c in cache])
-    return SwitchResult(cache, tokens[0, -1:], time.perf_counter() - t0)
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return _switch_aligned(source, target, translator, source_cache, alignment, tokens,
+                           _native_tail(translator, native_tail), t0)
+
+
+def _switch_aligned(source, target, translator, source_cache, alignment, tokens, m: int,
+                    t0: float, phases: Optional[dict] = None) -> SwitchResult:
+    """Translate all target positions but the last m + 1, which are left pending.
+    ``phases``: profile the translation into it (see :func:`_phase`)."""
+    n = tokens.shape[1]
+    end = max(n - 1 - m, 0)
+    if end:
+        alignment = alignment.with_native_prefix(translator.spec.native_prefix)
+        if phases is not None:
+            phases["_mark"] = time.perf_counter()
+        cache = _translate(source, target, translator, source_cache, None, alignment, end,
+                           tokens, room=n - end, phases=phases)
+        if phases is not None:
+            phases.pop("_mark", None)
+        mx.eval([(c.keys, c.values) for c in cache])
+    else:
+        cache = make_prompt_cache(target)
+    return SwitchResult(cache, tokens[0, end:], time.perf_counter() - t0)
+
+
+def first_step(target: nn.Module, result: SwitchResult, sampler=None):
+    """The target's first decoding step after a switch, done bare: one forward pass
+    over ``result.pending`` on ``result.cache`` (LM head on the last position only),
+    then the sampler (default greedy) on the log-probabilities. Returns (token id,
+    log-probabilities [vocab]); the cache then holds the whole context.
+
+    This is what mlx-lm's ``generate_step`` computes for its first token, without
+    its pipelining (which builds and schedules the second step before returning
+    the first)."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    logits = last_logits(target, result.pending[None], result.cache)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    token = (sampler or greedy_sampler)(logprobs)
+    mx.eval(token, logprobs)
+    return token.item(), logprobs[0]
+
+
+# Model types whose __call__ is `body, then the LM head` (mlx-lm: the inner model,
+# then `lm_head` or the tied embedding), so the head can run on one position.
+_BODY_THEN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+
+
+def last_logits(model: nn.Module, tokens: mx.array, cache) -> mx.array:
+    """Logits [B, vocab] of the last of ``tokens`` ([B, T]) read on ``cache``. For
+    T > 1 the LM head runs on the last position only (for a 262k vocabulary it
+    costs more than the body); models of other shapes run whole."""
+    if tokens.shape[1] == 1 or getattr(model, "model_type", None) not in _BODY_THEN_HEAD:
+        return model(tokens, cache=cache)[:, -1, :]
+    hidden = model.model(tokens, cache)[:, -1:, :]
+    args = getattr(model, "args", None)
+    tied = getattr(model, "tie_word_embeddings", getattr(args, "tie_word_embeddings", True))
+    if tied or not hasattr(model, "lm_head"):
+        return model.model.embed_tokens.as_linear(hidden)[:, -1, :]
+    return model.lm_head(hidden)[:, -1, :]
+
+
+# Generation options the bare first step reproduces exactly; any other option
+# (logits processors, a quantized or bounded cache, a draft model) takes mlx-lm's
+# own loop from the start.
+_FIRST_STEP_OPTIONS = {"max_tokens", "sampler"}
 
 
 def generate_after_switch(target, tokenizer, result: SwitchResult, **kwargs):
     """Stream the target's answer from a switched cache (mlx-lm ``GenerationResponse``s).
 
-    The first response arrives after exactly one decoding step over the last token.
+    The first response arrives after one bare forward pass over ``result.pending``
+    (:func:`first_step`); the rest comes from mlx-lm's ``generate_step``, so greedy
+    output is identical to ``stream_generate`` from the same cache.
     """
-    return stream_generate(
-        target, tokenizer, result.last_token, prompt_cache=result.cache, **kwargs
+    if set(kwargs) - _FIRST_STEP_OPTIONS:
+        return stream_generate(target, tokenizer, result.pending, prompt_cache=result.cache,
+                               **kwargs)
+    return _stream_after_switch(target, tokenizer, result, **kwargs)
+
+
+def _stream_after_switch(target, tokenizer, result: SwitchResult, max_tokens: int = 256,
+                         sampler=None):
+    """``stream_generate``'s loop (same responses, same stopping rules) over the bare
+    first step followed by ``generate_step``."""
+    from mlx_lm.generate import GenerationResponse, generate_step
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if max_tokens == 0:
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    detokenizer = tokenizer.detokenizer
+
+    def tokens():
+        token, logprobs = first_step(target, result, sampler)
+        yield token, logprobs
+        rest = max_tokens - 1 if max_tokens > 0 else -1
+        yield from generate_step(mx.array([token]), target, max_tokens=rest,
+                                 sampler=sampler, prompt_cache=result.cache)
+
+    n_prompt = result.pending.size
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    token, logprobs = None, None
+    for n, (token, logprobs) in enumerate(tokens()):
+        if n == 0:
+            prompt_tps = n_prompt / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+        if (n + 1) == max_tokens:
+            break
+        yield GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+        )
+    detokenizer.finalize()
+    yield GenerationResponse(
+        text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+        prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+        generation_tps=(n + 1) / (time.perf_counter() - tic),
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason="stop" if token in tokenizer.eos_token_ids else "length",
     )
 
 
@@ -216,25 +595,28 @@ def switch_text(
     translator: Translator,
     text: str,
     source_cache: Optional[List] = None,
+    native_tail: Optional[int] = None,
 ) -> SwitchResult:
     """Hand a plain-text context over to the target, whatever the two tokenizers.
 
     Both models tokenize ``text`` (special tokens included); with a cross-tokenizer
-    translator the target's tokens are aligned to the source's by characters.
-    ``source_cache``: the source's live cache of its tokenization of ``text``.
+    translator the target's tokens are aligned to the source's by characters (part
+    of the timed switch). ``source_cache``: the source's live cache of its
+    tokenization of ``text``. ``native_tail``: as in :func:`switch`, in target
+    tokens.
     """
     if not translator.cross_tokenizer:
         tokens = mx.array(source_tokenizer.encode(text))
-        return switch(source, target, translator, tokens, source_cache=source_cache)
+        return switch(source, target, translator, tokens, source_cache=source_cache,
+                      native_tail=native_tail)
+    m = _native_tail(translator, native_tail)
+    if source_cache is None:
+        source_ids, _ = tokenize_with_offsets(source_tokenizer, text)
+        source_cache = prefill(source, mx.array(source_ids)[None])
+        mx.eval([(c.keys, c.values) for c in source_cache])
+    t0 = time.perf_counter()
     alignment = align_text(source_tokenizer, target_tokenizer, text, translator.spec.native_prefix)
     if len(alignment.target_tokens) < 2:
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
-    if source_cache is None:
-        source_cache = prefill(source, mx.array(alignment.source_tokens)[None])
-        mx.eval([(c.keys, c.values) for c in source_cache])
-    t0 = time.perf_counter()
-    end = len(alignment.target_tokens) - 1
-    cache = translate_aligned(source, target, translator, source_cache, None, alignment, end)
-    mx.eval([(c.keys, c.values) for c in cache])
-    last = mx.array(alignment.target_tokens[-1:])
-    return SwitchResult(cache, last, time.perf_counter() - t0)
+    tokens = mx.array(alignment.target_tokens)[None]
+    return _switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0)

@@ -63,6 +63,9 @@ class TranslatorSpec:
     alignment: str = "shared"
     training: dict = field(default_factory=dict)  # how the maps were made
     format_version: int = FORMAT_VERSION
+    # Default number of trailing context tokens the target computes itself at a
+    # switch (the "native tail", on top of the translated cache).
+    native_tail: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -289,6 +292,8 @@ def _validate_spec(spec: TranslatorSpec):
         raise TranslatorFileError(f"unknown alignment {spec.alignment!r}.")
     if not _is_count(spec.native_prefix):
         raise TranslatorFileError(f"invalid native_prefix {spec.native_prefix!r}.")
+    if not _is_count(spec.native_tail):
+        raise TranslatorFileError(f"invalid native_tail {spec.native_tail!r}.")
     for role in ("source", "target"):
         layers = getattr(spec, role).geometry["layers"]
         if not layers or not all(

@@ -104,3 +104,32 @@ def test_gathered_features_come_from_the_aligned_source_positions():
     for layer in range(len(m.layers)):
         assert mx.allclose(tv[layer], sv[layer][:, rows], atol=1e-5)
         assert mx.allclose(tk[layer], sk[layer][:, rows], atol=1e-4)
+
+
+def test_with_native_tail_marks_the_last_positions_before_the_end():
+    a = identity_alignment(list(range(10)), 1)
+    assert a.with_native_tail(3).source_index == [NATIVE] + list(range(1, 6)) + [NATIVE] * 3 + [9]
+    assert a.with_native_tail(2, end=5).source_index == (
+        [NATIVE, 1, 2, NATIVE, NATIVE] + list(range(5, 10)))
+    assert a.with_native_tail(0) is a
+    assert a.with_native_tail(50).source_index == [NATIVE] * 9 + [9]
+    runs = a.with_native_tail(3).runs(0, 9)
+    assert runs == [(True, 0, 1), (False, 1, 6), (True, 6, 9)]
+
+
+def test_switch_text_leaves_the_native_tail_in_target_tokens(tokenizers):
+    """Different tokenizers: the last m target tokens (and the last one) are left for
+    the target's first step; a tail over the whole context is a native prefill."""
+    from mlx_kvlingo.models import cache_length
+    from mlx_kvlingo.switch import first_step, switch_text
+
+    stok, ttok = tokenizers
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    ids = ttok(TEXT)["input_ids"]
+    r = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=4)
+    assert r.pending.tolist() == ids[-5:] and cache_length(r.cache) == len(ids) - 5
+    r = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=len(ids))
+    _, logprobs = first_step(tgt, r)
+    native = tgt(mx.array(ids)[None])[0, -1]
+    assert mx.abs(logprobs - (native - mx.logsumexp(native))).max().item() < 1e-4

@@ -10,53 +10,63 @@ from typer.testing import CliRunner
 from mlx_kvlingo.bench import (
     apply_rope_tables,
     format_rows,
+    format_split,
     measure_ttft,
     plot_ttft,
-    profile_translate,
     rope_tables,
 )
-from mlx_kvlingo.models import prefill
 from mlx_kvlingo.translator import Translator
 
 KEYS = {"context", "prefill_s", "switch_s", "ratio", "translate_s", "decode_s",
-        "translate_peak_mb", "translate_extra_mb"}
+        "translate_peak_mb", "translate_extra_mb", "decode_step_s", "maps_s", "ceiling_s",
+        "ceiling_ratio", "fraction", "native_tail", "memory", "translate_profile"}
+PARTS = {"align_s", "native_prefix_s", "read_unrope_s", "maps_s", "rerope_write_s",
+         "first_step_s"}
 
 
-def test_measure_ttft_times_both_paths(toy_pair, tmp_path):
+def test_measure_ttft_times_switch_prefill_and_ceiling(toy_pair, tmp_path):
     src, stok, tgt, ttok = toy_pair
     translator = Translator.for_models(src, tgt, stok, ttok)
     stream = stok.encode("Return a new list containing all items from the iterable in "
                          "ascending order. " * 8)
-    rows = measure_ttft(src, tgt, translator, stream, contexts=(16, 48), repeats=2, warmup=1)
-    assert [r.context for r in rows] == [16, 48]
+    rows = measure_ttft(src, tgt, translator, stream, contexts=(16, 48), repeats=2, warmup=1,
+                        native_tails=(0, 4))
+    assert [(r.context, r.native_tail) for r in rows] == [(16, 0), (16, 4), (48, 0), (48, 4)]
     for r in rows:
         d = r.to_dict()
         assert KEYS <= set(d)
         assert r.prefill_s > 0 and r.translate_s > 0 and r.decode_s > 0
         assert abs(r.ratio - r.prefill_s / r.switch_s) < 1e-9
-        assert len(r.switch_all_s) == len(r.prefill_all_s) == 2
+        assert abs(r.ceiling_s - (r.decode_step_s + r.maps_s)) < 0.5 * r.ceiling_s
+        assert abs(r.fraction - r.ratio / r.ceiling_ratio) < 1e-9
+        assert len(r.switch_all_s) == len(r.prefill_all_s) == len(r.ceiling_all_s) == 2
+        mem = r.memory
+        assert mem["target_cache_mb"] > 0 and mem["source_cache_mb"] > 0 and mem["maps_mb"] > 0
+        assert abs(mem["bound_mb"] - (mem["source_cache_mb"] + mem["target_cache_mb"]
+                                      + mem["maps_mb"] + mem["layer_working_set_mb"])) < 1e-6
         assert r.translate_peak_mb > 0  # MLX's allocator reports peaks on the CPU too
-        assert set(r.translate_profile) == {"native_prefix_s", "read_unrope_s", "maps_s",
-                                            "rerope_write_s"}
-        # The prototype of the faster translation builds the shipped path's cache.
-        assert r.translate_proposed_s > 0 and r.proposed_max_abs_diff < 1e-4
-        assert r.decode_step_s > 0
-    assert len(format_rows(rows).splitlines()) == 3
+        if r.native_tail == 0:
+            assert set(r.translate_profile) == PARTS
+    assert len(format_rows(rows).splitlines()) == 5
+    assert len(format_split(rows).splitlines()) == 3  # header + one profile per context
     plot_ttft(rows, tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").stat().st_size > 1000
 
 
-def test_profiled_translation_builds_the_same_cache_as_switch(toy_pair):
-    from mlx_kvlingo.switch import translate_cache
+def test_measure_ttft_aligns_text_for_different_tokenizers():
+    """A cross-tokenizer pair is timed on text, the alignment inside the switch; the
+    context is counted in target tokens."""
+    from test_align import TEXT, _bpe
+    from tiny import tiny_model
 
-    src, stok, tgt, ttok = toy_pair
+    stok, ttok = _bpe(300), _bpe(330, bos=True)
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
     translator = Translator.for_models(src, tgt, stok, ttok)
-    tokens = mx.array(stok.encode("Open the file and return a stream of its lines."))
-    source_cache = prefill(src, tokens[None, :-1])
-    prof = profile_translate(src, tgt, translator, source_cache, tokens)
-    assert all(v >= 0 for v in prof.values())
-    cache = translate_cache(src, tgt, translator, source_cache, tokens)
-    assert cache[0].offset == tokens.size - 1
+    assert translator.cross_tokenizer
+    rows = measure_ttft(src, tgt, translator, None, contexts=(40,), repeats=1, warmup=0,
+                        text=TEXT * 3, tokenizers=(stok, ttok))
+    (r,) = rows
+    assert r.context == 40 and r.switch_s > 0 and r.translate_profile["align_s"] > 0
 
 
 def test_bench_ttft_command_writes_json_and_plot(toy_pair_dirs, tmp_path):
@@ -66,23 +76,27 @@ def test_bench_ttft_command_writes_json_and_plot(toy_pair_dirs, tmp_path):
     register(app)
     out = tmp_path / "ttft.json"
     r = CliRunner().invoke(app, ["bench", "ttft", "--quick", "--json", str(out), "--target",
-                                 str(toy_pair_dirs[1]), "--contexts", "32,64,1024"])
+                                 str(toy_pair_dirs[1]), "--contexts", "32,64,1024",
+                                 "--native-tail", "0,8"])
     assert r.exit_code == 0, r.output
     result = json.loads(out.read_text())
-    assert [row["context"] for row in result["rows"]] == [32, 64]  # --quick: up to 256
+    assert [(row["context"], row["native_tail"]) for row in result["rows"]] == [
+        (32, 0), (32, 8), (64, 0), (64, 8)]  # --quick: up to 256
     assert all(KEYS <= set(row) for row in result["rows"])
     assert result["repeats"] == 2 and "random maps" in result["translator"]
     env = result["environment"]
     assert env["mlx"] == mx.__version__ and env["cpu_count"] and env["platform"]
     assert (tmp_path / "ttft.png").exists()
-    assert "ratio" in r.output and "Wrote" in r.output
+    assert "ceiling" in r.output and "fraction" in r.output and "Wrote" in r.output
     bad = CliRunner().invoke(app, ["bench", "ttft", "--json", str(out), "--contexts", "x"])
     assert bad.exit_code == 1 and "--contexts" in bad.output
+    bad = CliRunner().invoke(app, ["bench", "ttft", "--json", str(out), "--native-tail", "-1"])
+    assert bad.exit_code == 1 and "--native-tail" in bad.output
 
 
 def test_rope_tables_reproduce_the_rope_modules_exactly():
-    """The proposed rope path (cos/sin probed from the module) rotates and un-rotates
-    exactly like the module, for plain, traditional, partial and scaled ropes."""
+    """The rope tables (cos/sin probed from the module) rotate and un-rotate exactly
+    like the module, for plain, traditional, partial and scaled ropes."""
     import mlx.nn as nn
     from mlx_lm.models.rope_utils import Llama3RoPE
 

@@ -471,9 +471,12 @@ def test_content_features_refuses_layers_that_dropped_tokens():
     assert "Layer 2" in msg and "0..11" in msg
 
     # Translating positions the cache no longer holds is refused with the same error
-    # type (native_prefix 0: position 0 must come from the source).
+    # type (native_prefix 0: position 0 must come from the source). A sliding target
+    # layer needs only the positions its window keeps, so a global target layer
+    # (2) reads a sliding source layer (0) here.
     t = identity_translator(m)
     t.spec.native_prefix = 0
+    t.spec.layer_map[2] = [0]
     with pytest.raises(KvlingoError, match="dropped early tokens"):
         translate_cache(m, m, t, cache, mx.concatenate([toks, toks[:1]]))
 

@@ -101,3 +101,199 @@ def test_context_longer_than_the_target_allows_is_refused():
     t = Translator.for_models(m, m)
     with pytest.raises(KvlingoError, match="at most 16 positions"):
         switch(m, m, t, list(range(1, 21)))
+
+
+# ---------------------------------------------------------------------------
+# The fast path, the bare first step and the native tail
+
+
+def _random_translator(src, tgt, seed=0, **kw):
+    mx.random.seed(seed)
+    t = Translator.for_models(src, tgt, **kw)
+    mx.eval(t.parameters())
+    return t
+
+
+def _layers(cache):
+    from mlx_kvlingo.models import read_layer
+
+    return [read_layer(c) for c in cache]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "llama_traditional", "gemma3_text"])
+def test_fresh_cache_path_equals_the_layer_by_layer_path(arch):
+    """Translating into a fresh cache (buffers written in place, fused rotations,
+    sliding layers translating only their window) builds the same cache as
+    extending an empty one through the general path, for a random translator."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvlingo.align import NATIVE, identity_alignment
+    from mlx_kvlingo.switch import translate_aligned
+    from tiny import tiny_model
+
+    m = tiny_model(arch)
+    t = _random_translator(m, m, sources_per_layer=2 if arch == "llama" else 1)
+    tokens = mx.random.randint(0, 97, (1, 30), key=mx.random.key(2))
+    source_cache = prefill(m, tokens[:, :29])
+    for index in (None, [NATIVE, 1, 1, 2, 5, 4] + list(range(6, 29))):  # shared, gathered
+        a = identity_alignment(tokens[0].tolist(), 1)
+        if index is not None:
+            a.source_index = index + [29]
+        fast = translate_aligned(m, m, t, source_cache, None, a, 29)
+        slow = translate_aligned(m, m, t, source_cache, make_prompt_cache(m), a, 29)
+        for (fk, fv, fs), (sk, sv, ss) in zip(_layers(fast), _layers(slow)):
+            assert fs == ss and fk.shape == sk.shape
+            assert mx.abs(fk - sk).max().item() < 1e-4 and mx.abs(fv - sv).max().item() < 1e-4
+        # ... and both continue alike.
+        rest = tokens[:, 29:]
+        assert mx.abs(m(rest, cache=fast) - m(rest, cache=slow)).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_native_tail_with_an_exact_translator_equals_a_native_prefill(arch):
+    from mlx_kvlingo.switch import first_step, translate_context
+    from tiny import tiny_model
+
+    m = tiny_model(arch)
+    t = Translator.for_models(m, m)
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.eye(lin.weight.shape[0])
+    tokens = mx.random.randint(0, 97, (1, 20), key=mx.random.key(5))
+    native = m(tokens)[0, -1]
+    for tail in (0, 1, 6, 19, 40):
+        result = switch(m, m, t, tokens, native_tail=tail)
+        assert cache_length(result.cache) + result.pending.size == 20
+        assert result.pending.size == min(tail, 19) + 1
+        token, logprobs = first_step(m, result)
+        assert token == mx.argmax(native).item()
+        assert mx.abs(logprobs - (native - mx.logsumexp(native))).max().item() < 1e-4
+        cache = translate_context(m, m, t, tokens, native_tail=tail)
+        assert cache_length(cache) == 19
+        assert mx.abs(m(tokens[:, -1:], cache=cache)[0, -1] - native).max().item() < 1e-4
+
+
+def test_a_native_tail_of_the_whole_context_is_a_native_prefill():
+    """With any translator, a tail covering every position translates nothing."""
+    from mlx_kvlingo.switch import first_step, translate_context
+    from tiny import tiny_model
+
+    m = tiny_model("qwen3")
+    t = _random_translator(m, m)
+    tokens = mx.random.randint(0, 97, (1, 16), key=mx.random.key(6))
+    result = switch(m, m, t, tokens, native_tail=15)
+    assert cache_length(result.cache) == 0 and result.pending.size == 16
+    _, logprobs = first_step(m, result)
+    native = m(tokens)[0, -1]
+    assert mx.abs(logprobs - (native - mx.logsumexp(native))).max().item() < 1e-4
+    cache = translate_context(m, m, t, tokens, native_tail=15)
+    for (k, v, _), (nk, nv, _) in zip(_layers(cache), _layers(prefill(m, tokens[:, :15]))):
+        assert mx.abs(k - nk).max().item() < 1e-4 and mx.abs(v - nv).max().item() < 1e-4
+
+
+def test_native_tail_positions_read_the_translated_ones():
+    """What is exact about a tail on top of an inexact translation: its layer-0 K/V
+    (they depend only on its tokens and positions), not deeper layers (the tail
+    attends to translated positions), and the translated positions are untouched."""
+    from mlx_kvlingo.switch import translate_context
+    from tiny import tiny_model
+
+    m = tiny_model("llama")
+    t = _random_translator(m, m)
+    tokens = mx.random.randint(0, 97, (1, 24), key=mx.random.key(7))
+    tail = 5
+    with_tail = _layers(translate_context(m, m, t, tokens, native_tail=tail))
+    without = _layers(translate_context(m, m, t, tokens, native_tail=0))
+    native = _layers(prefill(m, tokens[:, :23]))
+    lo = 23 - tail
+    k0, v0, _ = with_tail[0]
+    assert mx.abs(k0[..., lo:, :] - native[0][0][..., lo:, :]).max().item() < 1e-4
+    assert mx.abs(v0[..., lo:, :] - native[0][1][..., lo:, :]).max().item() < 1e-4
+    assert mx.abs(with_tail[-1][1][..., lo:, :] - native[-1][1][..., lo:, :]).max().item() > 1e-3
+    for (k, v, _), (wk, wv, _) in zip(with_tail, without):
+        assert mx.abs(k[..., :lo, :] - wk[..., :lo, :]).max().item() < 1e-5
+        assert mx.abs(v[..., :lo, :] - wv[..., :lo, :]).max().item() < 1e-5
+
+
+def test_native_tail_defaults_to_the_translator_and_round_trips(tmp_path):
+    from mlx_kvlingo.errors import TranslatorFileError
+    from mlx_kvlingo.translator import load_translator
+    from tiny import tiny_model
+
+    m = tiny_model("qwen2")
+    t = _random_translator(m, m)
+    t.spec.native_tail = 4
+    tokens = mx.random.randint(0, 97, (1, 12), key=mx.random.key(8))
+    assert switch(m, m, t, tokens).pending.size == 5
+    assert switch(m, m, t, tokens, native_tail=0).pending.size == 1
+    t.save(tmp_path / "t.safetensors")
+    assert load_translator(tmp_path / "t.safetensors").spec.native_tail == 4
+    t.spec.native_tail = -1
+    t.save(tmp_path / "bad.safetensors")
+    with pytest.raises(TranslatorFileError, match="native_tail"):
+        load_translator(tmp_path / "bad.safetensors")
+    with pytest.raises(KvlingoError, match="native_tail"):
+        switch(m, m, t, tokens, native_tail=-2)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "mistral", "gemma3_text"])
+def test_last_logits_equal_the_models_own_last_position(arch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvlingo.switch import last_logits
+    from tiny import tiny_model
+
+    m = tiny_model(arch)
+    tokens = mx.random.randint(0, 97, (1, 9), key=mx.random.key(9))
+    cache = prefill(m, tokens[:, :4])
+    got = last_logits(m, tokens[:, 4:], cache)
+    want = m(tokens)[:, -1, :]
+    assert got.shape == want.shape and mx.abs(got - want).max().item() < 1e-4
+    assert mx.abs(last_logits(m, tokens, make_prompt_cache(m)) - want).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("tail", [0, 3])
+def test_generate_after_switch_streams_what_mlx_lm_streams(toy_pair, tail):
+    """The bare first step then generate_step give the same responses as mlx-lm's
+    stream_generate from the same translated cache (random maps, native tail),
+    including the stop reason; options it does not reproduce take mlx-lm's loop."""
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    src, stok, tgt, ttok = toy_pair
+    t = _random_translator(src, tgt, source_tokenizer=stok, target_tokenizer=ttok)
+    tokens = stok.encode("Return the number of items in a container, or raise TypeError.")
+    for kwargs in ({"max_tokens": 10}, {"max_tokens": 1}, {"max_tokens": 6, "sampler": make_sampler(0.0)},
+                   {"max_tokens": 5, "logits_processors": make_logits_processors(repetition_penalty=1.3)}):
+        ours = list(generate_after_switch(tgt, ttok, switch(src, tgt, t, tokens, native_tail=tail), **kwargs))
+        r = switch(src, tgt, t, tokens, native_tail=tail)
+        theirs = list(stream_generate(tgt, ttok, r.pending, prompt_cache=r.cache, **kwargs))
+        assert [(x.token, x.text, x.finish_reason) for x in ours] == [
+            (x.token, x.text, x.finish_reason) for x in theirs]
+        assert ours[-1].generation_tokens == theirs[-1].generation_tokens
+
+
+def test_switch_runs_on_worker_threads():
+    """The switch's second stream is thread-local: a switch on another thread (a
+    server's MLX thread) works and builds the same cache."""
+    import threading
+
+    from mlx_kvlingo.session import finish_thread
+    from tiny import tiny_model
+
+    m = tiny_model("qwen3")
+    t = _random_translator(m, m)
+    tokens = mx.random.randint(0, 97, (1, 20), key=mx.random.key(10))
+    here = switch(m, m, t, tokens)
+    out = {}
+
+    def work():
+        try:
+            r = switch(m, m, t, tokens)
+            out["diff"] = max(mx.abs(a.keys - b.keys).max().item() for a, b in zip(r.cache, here.cache))
+        finally:
+            finish_thread()
+
+    for _ in range(2):
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+        assert out.pop("diff") < 1e-6
