@@ -19,7 +19,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .align import NATIVE, Alignment, identity_alignment
+from .align import identity_alignment
 from .models import prefill
 from .switch import translate_aligned
 
@@ -250,17 +250,6 @@ def attention_cosine(target, recorded, cache) -> List[float]:
     return [v.item() for v in out]
 
 
-def with_native_tail(alignment: Alignment, end: int, m: int) -> Alignment:
-    """The alignment with target positions end-m..end-1 computed by the target itself
-    (the last context tokens before its decoding step)."""
-    if m <= 0:
-        return alignment
-    index = list(alignment.source_index)
-    for j in range(max(end - m, 0), end):
-        index[j] = NATIVE
-    return Alignment(alignment.source_tokens, alignment.target_tokens, index)
-
-
 def _variants(translators, native_tails: Sequence[int]) -> List[Tuple[object, int]]:
     """Every translator with every native tail, translator-major."""
     return [(t, m) for t in translators for m in native_tails]
@@ -286,7 +275,7 @@ def evaluate_translators(
         n = context.shape[1] - 1
         for (t, m), tot in zip(variants, totals):
             a = identity_alignment(context[0].tolist(), t.spec.native_prefix)
-            a = with_native_tail(a, n, m)
+            a = a.with_native_tail(m, n)
 
             def translated():
                 return translate_aligned(source, target, t, source_cache, None, a, n, context)
@@ -319,7 +308,7 @@ def evaluate_aligned(
         source_cache = prefill(source, mx.array(s.alignment.source_tokens)[None])
         n = context.shape[1] - 1
         for (t, m), tot in zip(variants, totals):
-            a = with_native_tail(s.alignment, n, m)
+            a = s.alignment.with_native_tail(m, n)
 
             def translated():
                 return translate_aligned(source, target, t, source_cache, None, a, n)
