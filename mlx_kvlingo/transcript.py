@@ -213,12 +213,18 @@ class Transcript:
 
 
 def ids_offsets(tokenizer, ids: Sequence[int], text: str) -> Offsets:
-    """Character ranges inside ``text`` (the decoded ``ids``) of each token, from
-    decoding growing prefixes; tokens without text (end of turn) get empty ranges."""
+    """Character ranges inside ``text`` (the decoded ``ids``) of each token: a token
+    ends where the decoding of the ids up to it stops agreeing with ``text`` (a
+    partial UTF-8 character decodes to U+FFFD until its last byte arrives); tokens
+    without text (end of turn) get empty ranges."""
     out, prev = [], 0
     for k in range(1, len(ids) + 1):
         t = tokenizer.decode(list(ids[:k]), skip_special_tokens=True)
-        end = prev if t.endswith("\ufffd") else min(max(len(t), prev), len(text))
+        n = 0
+        limit = min(len(t), len(text))
+        while n < limit and t[n] == text[n]:
+            n += 1
+        end = max(n, prev)
         out.append((prev, end))
         prev = end
     return out
