@@ -20,7 +20,7 @@ from mlx_kvlingo import data, toy
 from mlx_kvlingo.bench import environment
 from mlx_kvlingo.models import load
 from mlx_kvlingo.multiturn import conversations_from_stream, format_markdown, multiturn_fidelity
-from mlx_kvlingo.session import stage1_translator
+from mlx_kvlingo.builtin_pair import stage1_translator
 
 
 def main(argv=None):

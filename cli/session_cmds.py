@@ -287,7 +287,9 @@ def register(app: typer.Typer):
                                   "bfloat16 or float32."),
     ):
         """Turn an mlx-lm prompt-cache file made by SOURCE into one for TARGET, so
-        `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it."""
+        `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it.
+        Models with different tokenizers need a cross-tokenizer translator and the
+        prompt: OUT then holds TARGET's own tokenization of it."""
         import mlx.core as mx
 
         from mlx_kvlingo.models import load
@@ -301,6 +303,10 @@ def register(app: typer.Typer):
             if dtype not in ("auto", "float16", "bfloat16", "float32"):
                 raise KvlingoError(f"--dtype must be auto, float16, bfloat16 or float32, not {dtype!r}.")
             t = load_translator(translator)
+            if text is None and t.cross_tokenizer:
+                raise KvlingoError(
+                    "A cross-tokenizer translator re-tokenizes the cached prompt for the "
+                    "target: give it with --prompt or --prompt-file.")
             if text is None and t.spec.native_prefix:
                 raise KvlingoError(
                     f"The translator computes the first {t.spec.native_prefix} token(s) with "
@@ -311,7 +317,7 @@ def register(app: typer.Typer):
             t.check_models(src, tgt, src_tok, tgt_tok)
             out_dtype = native_dtype(target) if dtype == "auto" else getattr(mx, dtype)
             r = convert_prompt_cache_file(in_file, out, src, tgt, t, target, tgt_tok, text,
-                                          out_dtype)
+                                          out_dtype, source_tokenizer=src_tok)
             typer.echo(f"Converted {r.tokens} cached tokens ({r.translated} translated, "
                        f"{r.native} computed by the target) in {r.seconds:.2f}s; wrote {out} "
                        f"({r.dtype}) for {r.target_model}.")
