@@ -71,8 +71,9 @@ def _match_translator(translator, session, path: str):
 
 
 def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, system):
+    from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
     from mlx_kvlingo.models import load
-    from mlx_kvlingo.session import Session, builtin_session, stage1_translator
+    from mlx_kvlingo.session import Session
     from mlx_kvlingo.translator import load_translator
 
     if not models:
@@ -102,10 +103,9 @@ def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, syst
         for s in session.model_names:
             for t in session.model_names:
                 if s != t and not session.has_translator(s, t):
-                    ms, mt = session.model(s), session.model(t)
-                    tok = session.tokenizer
                     session.add_translator(s, t, stage1_translator(
-                        ms, tok, mt, tok, cache_dir, fit_tokens, log=typer.echo))
+                        session.model(s), session.tokenizer_of(s), session.model(t),
+                        session.tokenizer_of(t), cache_dir, fit_tokens, log=typer.echo))
     return session
 
 
@@ -128,11 +128,11 @@ def _describe(session) -> str:
 def _stats(session) -> str:
     from mlx_kvlingo.session import format_reports
 
-    t = session.transcript
     lines = [format_reports(session.reports) if session.reports else "No turns yet."]
-    lines.append(f"conversation: {len(t)} tokens")
+    lines.append(f"conversation: {len(session.transcript)} tokens")
     for name in session.model_names:
-        lines.append(f"  {name}: cache holds {t.processed[name]} tokens, "
+        t = session.transcript_of(name)
+        lines.append(f"  {name}: cache holds {t.processed[name]} of its {len(t)} tokens, "
                      f"{t.translated[name]} of them translated")
     return "\n".join(lines)
 
