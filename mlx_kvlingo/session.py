@@ -715,14 +715,6 @@ def _eos_ids(tokenizer) -> set:
     return set(ids)
 
 
-def _leading_specials(view: Transcript) -> int:
-    """Leading positions without text (BOS): a no-context baseline keeps them."""
-    n = 0
-    while n < len(view.tokens) and view.pieces[n] == TEMPLATE and view.offsets[n][1] <= view.offsets[n][0]:
-        n += 1
-    return min(n, 1)
-
-
 def finish_thread():
     """Call at the end of a worker thread that ran Session turns: waits for its
     pending MLX work and releases the thread's MLX streams (``mx.clear_streams``),

@@ -251,3 +251,10 @@ def align_pieces(source: Transcript, target: Transcript, lo: int, hi: int) -> Li
                     for i, (a, b) in zip(idx, t_off)]
         j = k
     return out
+
+
+def leading_specials(view: Transcript) -> int:
+    """1 when the view starts with its tokenizer's BOS, else 0: a no-context
+    baseline keeps it (Gemma is off distribution without its BOS)."""
+    bos = getattr(view.tokenizer, "bos_token_id", None)
+    return int(bos is not None and bool(view.tokens) and view.tokens[0] == bos)

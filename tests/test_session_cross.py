@@ -134,3 +134,22 @@ def test_truncate_then_regenerate_and_edit(twin_tokenizers):
     assert view.tokens[r.context_tokens:] == native_greedy(m, ta, view.tokens[:r.context_tokens], 6)
     with pytest.raises(KvlingoError):
         s.generate("c", "hi")
+
+
+def test_multiturn_fidelity_on_text_is_exact_with_exact_cross_tokenizer_maps(twin_tokenizers):
+    from mlx_kvlingo.multiturn import multiturn_fidelity, text_conversations
+
+    m, ta, tb = twin_tokenizers
+    doc = ("Return a new list containing all items from the iterable in ascending order. "
+           "A custom key function can be supplied to customize the sort order, and the "
+           "reverse flag can be set to request the result in descending order. ") * 3
+    convs = text_conversations([doc], turns=4, segment_chars=50, count=1)
+    assert len(convs) == 1 and len(convs[0]) == 5 and "".join(convs[0]) in doc
+    res = multiturn_fidelity({"a": (m, ta), "b": (m, tb)},
+                             {("a", "b"): identity(m, ta, tb), ("b", "a"): identity(m, tb, ta)},
+                             convs)
+    for rows in res.values():
+        assert [r.turn for r in rows] == [1, 2, 3, 4]
+        for r in rows:
+            assert abs(r.nll_session - r.nll_native) < 1e-3 and r.top1 == 1.0
+            assert r.translated_tokens > 0
