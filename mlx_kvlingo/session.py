@@ -122,6 +122,7 @@ class _Entry:
     model: nn.Module
     tokenizer: object
     cache: List
+    fingerprint: str = ""
 
 
 class TurnStream:
@@ -225,7 +226,7 @@ class Session:
         # Weights left lazy (e.g. a dtype cast after loading) would be bound to the
         # loading thread's stream; materialize them so any thread can run turns.
         mx.eval(model.parameters())
-        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model))
+        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model), fp)
         self._view_of[name] = self._views[fp]
         self._views[fp].add_model(name)
 
@@ -237,6 +238,26 @@ class Session:
         translator.check_models(s.model, t.model, s.tokenizer, t.tokenizer)
         mx.eval(translator.parameters())
         self._translators[source, target] = translator
+
+    def fresh(self) -> "Session":
+        """A new, empty conversation with this session's models, translators and
+        settings (nothing loaded or checked again: cheap)."""
+        s = Session(system_prompt=self.system_prompt, chat_template=self._use_template,
+                    gate=self.gate)
+        for fp, v in self._views.items():
+            s._views[fp] = Transcript(v.tokenizer, self._use_template)
+        for name, e in self._models.items():
+            s._models[name] = _Entry(e.model, e.tokenizer, make_prompt_cache(e.model),
+                                     e.fingerprint)
+            s._view_of[name] = s._views[e.fingerprint]
+            s._view_of[name].add_model(name)
+        s._translators = dict(self._translators)
+        return s
+
+    def nbytes(self) -> int:
+        """Bytes the models' caches of this conversation hold."""
+        return sum(c.nbytes for e in self._models.values() for c in e.cache
+                   if getattr(c, "keys", None) is not None)
 
     @property
     def model_names(self) -> List[str]:
@@ -367,7 +388,9 @@ class Session:
             t0 = time.perf_counter()
             report = TurnReport(index=len(self.reports), model=model, kind="read", wait_s=wait_s)
             if L:
-                self._catch_up(model, L - 1, report)
+                if view.processed[model] >= L:  # it wrote the last token: re-read it
+                    self._restore(model, L - 1)
+                self._catch_up_gated(model, L - 1, report)
                 inputs = [view.tokens[-1]] + tokens[:-1]
             else:
                 inputs = tokens
@@ -482,14 +505,14 @@ class Session:
             report.index = len(self.reports)
             self.reports.append(report)
             if ids:
-                self._catch_up(name, L, report)
+                self._catch_up_gated(name, L, report)
                 prompt = ids
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
                 if view.processed[name] >= L:
                     self._restore(name, L - 1)
-                self._catch_up(name, L - 1, report)
+                self._catch_up_gated(name, L - 1, report)
                 prompt = view.tokens[-1:]
             for v in self._views.values():
                 self._append_chunk(v, chunks[id(v)], name, v is view)
@@ -571,6 +594,54 @@ class Session:
         for v in self._views.values():
             if v is not view:
                 v.message_ends.append(len(v))
+
+    def _catch_up_gated(self, name: str, end: int, report: TurnReport):
+        """:meth:`_catch_up`, judged by the quality gate when it translates: the last
+        ``gate.tokens`` positions are computed natively and scored, and on a bad
+        score everything this turn translated is re-prefilled instead."""
+        view, entry = self._view_of[name], self._models[name]
+        start = view.processed[name]
+        m = min(self.gate.tokens, end - start) if self.gate is not None else 0
+        if m < 2 or not any(
+            s.writer not in (None, name) and (s.writer, name) in self._translators
+            for s in view.pending(name, end - m)
+        ):
+            self._catch_up(name, end, report)
+            return
+        self._catch_up(name, end - m, report)
+        if not report.translated:
+            self._catch_up(name, end, report)
+            return
+        from .transcript import leading_specials
+
+        translators = [self._translators[w, name] for w in report.translated_from]
+        decision = self.gate.judge(entry.model, entry.cache, view.tokens[end - m:end],
+                                   view.tokens[:leading_specials(view)], translators)
+        view.processed[name] = end
+        report.prefilled += m
+        report.gate = decision.to_dict()
+        if decision.fallback:
+            self._fallback(name, start, end, decision.reason, report)
+
+    def _fallback(self, name: str, start: int, end: int, reason: str, report: TurnReport):
+        """Replace positions start..end-1 (this turn's catch-up) by a native prefill."""
+        t0 = time.perf_counter()
+        view, entry = self._view_of[name], self._models[name]
+        counted = end - start - report.translated  # positions already counted as prefilled
+        extra = cache_length(entry.cache) - start
+        if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+            entry.cache = make_prompt_cache(entry.model)  # e.g. a full sliding window
+            start = 0
+        view.translated[name] = max(view.translated[name] - report.translated, 0)
+        if start == 0:
+            view.translated[name] = 0
+        prefill(entry.model, mx.array(view.tokens[start:end]), entry.cache)
+        mx.eval([(c.keys, c.values) for c in entry.cache])
+        view.processed[name] = end
+        report.prefilled += end - start - counted
+        report.translated, report.translated_from = 0, {}
+        report.fallback = reason
+        report.translate_s += time.perf_counter() - t0
 
     def _catch_up(self, name: str, end: int, report: TurnReport):
         """Bring model ``name``'s cache to ``end`` tokens: spans other models wrote are
