@@ -221,9 +221,9 @@ class ConversationStore:
             route["cached"] = cached
         stats = TurnStats(conversation=conv.id, model=name, route=route,
                           truncated_messages=dropped)
+        hold = max((len(x) for x in request.stop if x), default=1) - 1
+        text, sent, first = "", 0, True
         try:
-            first = True
-            text = ""
             for piece in _responses(buffered, stream):
                 if first:
                     self._fill(stats, stream.report, route)
@@ -231,19 +231,22 @@ class ConversationStore:
                     first = False
                 text += piece
                 cut = _stop_at(text, request.stop)
+                # Hold back what could be the start of a stop string.
+                end = cut if cut is not None else max(sent, len(text) - hold)
+                if end > sent:
+                    if stats.ttft_ms is None:
+                        stats.ttft_ms = round((time.perf_counter() - t0) * 1e3, 2)
+                    yield "delta", text[sent:end]
+                    sent = end
                 if cut is not None:
-                    emit = piece[:len(piece) - (len(text) - cut)]
-                    if emit:
-                        yield "delta", emit
                     stats.finish_reason = "stop"
                     break
-                if stats.ttft_ms is None and piece:
-                    stats.ttft_ms = (time.perf_counter() - t0) * 1e3
-                if piece:
-                    yield "delta", piece
                 if cancelled():
                     stats.finish_reason = "cancelled"
                     break
+            else:
+                if len(text) > sent:
+                    yield "delta", text[sent:]
         finally:
             stream.close()
         report = stream.report
