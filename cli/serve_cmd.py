@@ -33,6 +33,7 @@ from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo_cli.common import run as _run
 
 API_KEY_ENV = "MLX_KVLINGO_API_KEY"
+_DRAIN_LIMIT = 64 << 20  # unread bodies up to this size are read and dropped before an error
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -196,6 +197,7 @@ class Handler(BaseHTTPRequestHandler):
         return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
 
     def _guard(self, fn):
+        self._body_read = False
         try:
             if not self._authorized():
                 raise RequestError(401, "Missing or wrong API key (Authorization: Bearer ...).",
@@ -208,8 +210,21 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _discard_body(self):
-        # An unread body would be parsed as the next request on this connection.
+        """Read and drop an unread request body (up to a bound) before answering an
+        error: closing a socket with unread data resets the connection, and the
+        client would see no answer. Then close: the stream position is unknown."""
         self.close_connection = True
+        if self._body_read:
+            return
+        length = self.headers.get("Content-Length", "")
+        left = int(length) if length.isdigit() else 0
+        if left > _DRAIN_LIMIT:
+            return
+        while left > 0:
+            got = self.rfile.read(min(left, 1 << 16))
+            if not got:
+                break
+            left -= len(got)
 
     def do_GET(self):
         self._guard(self._get)
@@ -241,6 +256,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(413, f"The body is over {self.server.config.max_body} bytes.",
                                code="request_too_large")
         raw = self.rfile.read(int(length))
+        self._body_read = True
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
