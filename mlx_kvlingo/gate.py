@@ -122,3 +122,32 @@ def calibrate_threshold(scores: Sequence[float], max_fire_rate: float = 0.1) -> 
     s = sorted(scores)
     k = min(len(s) - 1, max(0, int(round((1 - max_fire_rate) * len(s))) - 1))
     return float(s[k])
+
+
+def switch_with_gate(source: nn.Module, target: nn.Module, translator, tokens,
+                     source_cache: Optional[List] = None, gate: Optional[QualityGate] = None,
+                     specials: Sequence[int] = ()):
+    """:func:`~mlx_kvlingo.switch.switch` for models that share a tokenizer, judged by
+    ``gate``: the context's last ``gate.tokens`` tokens before the final one are
+    computed by the target itself and scored; on a bad score the target prefills
+    the whole context instead. Returns (SwitchResult, GateDecision)."""
+    from .models import prefill
+    from .switch import SwitchResult, _as_batch, translate_cache
+
+    gate = gate or QualityGate()
+    tokens = _as_batch(tokens)
+    n = tokens.shape[1] - 1  # the cache holds tokens[:n]; tokens[n] is the first input
+    m = min(gate.tokens, n - max(translator.spec.native_prefix, 1))
+    if source_cache is None:
+        source_cache = prefill(source, tokens[:, :n])
+    t0 = time.perf_counter()
+    ids = tokens[0].tolist()
+    if m < 2:
+        cache = translate_cache(source, target, translator, source_cache, tokens, n)
+        return SwitchResult(cache, tokens[0, -1:], time.perf_counter() - t0), None
+    cache = translate_cache(source, target, translator, source_cache, tokens, n - m)
+    decision = gate.judge(target, cache, ids[n - m:n], specials, [translator])
+    if decision.fallback:
+        cache = prefill(target, tokens[:, :n])
+        mx.eval([(c.keys, c.values) for c in cache])
+    return SwitchResult(cache, tokens[0, -1:], time.perf_counter() - t0), decision

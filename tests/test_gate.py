@@ -85,3 +85,26 @@ def test_threshold_from_the_translator_and_calibration(target):
     t = calibrate_threshold(scores, max_fire_rate=0.1)
     assert sum(x > t for x in scores) == 10
     assert sum(x > calibrate_threshold(scores, 0.0) for x in scores) == 0
+
+
+def test_switch_with_gate(target):
+    from mlx_lm.generate import stream_generate
+
+    from mlx_kvlingo.gate import switch_with_gate
+    from mlx_kvlingo.switch import generate_after_switch
+
+    m, tok = target
+    tokens = tok.encode("Return a new list containing all items from the iterable in "
+                        "ascending order, and close the file when done.")
+    native = [r.token for r in stream_generate(m, tok, mx.array(tokens), max_tokens=6)]
+    measure = QualityGate(tokens=8, threshold=float("inf"))
+    scores = [switch_with_gate(m, m, translators(m, tok, scale)["a", "b"], tokens,
+                               gate=measure)[1].score for scale in (1.0, 0.0)]
+    assert scores[1] > scores[0]
+    for scale, fires in ((1.0, False), (0.0, True)):
+        t = translators(m, tok, scale)["a", "b"]
+        gate = QualityGate(tokens=8, threshold=sum(scores) / 2)
+        result, decision = switch_with_gate(m, m, t, tokens, gate=gate)
+        assert decision.fallback is fires and decision.computed == 8
+        got = [r.token for r in generate_after_switch(m, tok, result, max_tokens=6)]
+        assert got == native  # exact maps, or a native re-prefill after the fallback
