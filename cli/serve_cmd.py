@@ -58,7 +58,7 @@ class ServerConfig:
         self.api_key = api_key
         self.max_body = max_body
         self.max_tokens = max_tokens
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = min(default_max_tokens, max_tokens)
         self.retry_after = retry_after
         self.request_timeout = request_timeout
 
