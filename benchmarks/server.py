@@ -150,7 +150,7 @@ def main(argv=None):
            "seconds": round(time.perf_counter() - t_start, 1), "switch": rows,
            "concurrency": concurrency, "stream_context": args.stream_context}
     args.json.write_text(json.dumps(out, indent=2))
-    md = [f"# TTFT through `mlx-kvlingo serve` (SmolLM2-135M -> Gemma 3 270M, float32, CPU)",
+    md = ["# TTFT through `mlx-kvlingo serve` (SmolLM2-135M -> Gemma 3 270M, float32, CPU)",
           "", f"Translator: {kind}. Medians of {args.repeats}; TTFT measured by the `openai` "
           "client from sending the switch request to its first content delta (HTTP on "
           "loopback included).", "",

@@ -1,7 +1,6 @@
 """`mlx-kvlingo serve` driven over HTTP by the real `openai` client (built-in pair)."""
 
 import http.client
-import json
 import threading
 import time
 

@@ -4,7 +4,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
 
-from mlx_kvlingo.align import NATIVE
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models import load, tokenizer_fingerprint
 from mlx_kvlingo.session import Session
