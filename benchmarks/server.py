@@ -113,7 +113,7 @@ def main(argv=None):
                   flush=True)
 
     concurrency = []
-    for k in [int(x) for x in args.streams.split(",")]:
+    for k in [int(x) for x in args.streams.split(",") if x.strip()]:
         convs = []
         for i in range(k):  # set up (not timed): each client's conversation on smol
             text = context_text(stok, texts, args.stream_context, f"Stream {k}-{i}")
