@@ -218,3 +218,23 @@ def test_concurrent_conversations_are_isolated(serve):
     assert results == alone
     assert len(srv.store) == 4
     assert all(n > 0 for conv in results for _, _, n in conv[1:])
+
+
+def test_a_stream_that_fails_mid_way_ends_with_an_error_event(serve):
+    from mlx_kvlingo.conversations import TurnStats
+
+    srv = serve()
+
+    def failing_run(request, cancelled):
+        yield "start", TurnStats(conversation=0, model="small")
+        yield "delta", "Hel"
+        raise KvlingoError("the model fell over")
+
+    srv.store.run = failing_run
+    stream = srv.client().chat.completions.create(model="small", messages=[user("Hi.")],
+                                                  stream=True)
+    got = []
+    with pytest.raises(openai.APIError, match="fell over"):
+        for chunk in stream:
+            got.append(chunk.choices[0].delta.content)
+    assert got == ["", "Hel"]
