@@ -701,5 +701,9 @@ from mlx_kvlingo_cli.session_cmds import register as _register_session  # noqa: 
 
 _register_session(app)
 
+from mlx_kvlingo_cli.serve_cmd import register as _register_serve  # noqa: E402
+
+_register_serve(app)
+
 if __name__ == "__main__":
     app()

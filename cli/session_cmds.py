@@ -71,8 +71,9 @@ def _match_translator(translator, session, path: str):
 
 
 def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, system):
+    from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
     from mlx_kvlingo.models import load
-    from mlx_kvlingo.session import Session, builtin_session, stage1_translator
+    from mlx_kvlingo.session import Session
     from mlx_kvlingo.translator import load_translator
 
     if not models:
@@ -102,10 +103,9 @@ def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, syst
         for s in session.model_names:
             for t in session.model_names:
                 if s != t and not session.has_translator(s, t):
-                    ms, mt = session.model(s), session.model(t)
-                    tok = session.tokenizer
                     session.add_translator(s, t, stage1_translator(
-                        ms, tok, mt, tok, cache_dir, fit_tokens, log=typer.echo))
+                        session.model(s), session.tokenizer_of(s), session.model(t),
+                        session.tokenizer_of(t), cache_dir, fit_tokens, log=typer.echo))
     return session
 
 
@@ -128,11 +128,11 @@ def _describe(session) -> str:
 def _stats(session) -> str:
     from mlx_kvlingo.session import format_reports
 
-    t = session.transcript
     lines = [format_reports(session.reports) if session.reports else "No turns yet."]
-    lines.append(f"conversation: {len(t)} tokens")
+    lines.append(f"conversation: {len(session.transcript)} tokens")
     for name in session.model_names:
-        lines.append(f"  {name}: cache holds {t.processed[name]} tokens, "
+        t = session.transcript_of(name)
+        lines.append(f"  {name}: cache holds {t.processed[name]} of its {len(t)} tokens, "
                      f"{t.translated[name]} of them translated")
     return "\n".join(lines)
 
@@ -287,7 +287,9 @@ def register(app: typer.Typer):
                                   "bfloat16 or float32."),
     ):
         """Turn an mlx-lm prompt-cache file made by SOURCE into one for TARGET, so
-        `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it."""
+        `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it.
+        Models with different tokenizers need a cross-tokenizer translator and the
+        prompt: OUT then holds TARGET's own tokenization of it."""
         import mlx.core as mx
 
         from mlx_kvlingo.models import load
@@ -301,6 +303,10 @@ def register(app: typer.Typer):
             if dtype not in ("auto", "float16", "bfloat16", "float32"):
                 raise KvlingoError(f"--dtype must be auto, float16, bfloat16 or float32, not {dtype!r}.")
             t = load_translator(translator)
+            if text is None and t.cross_tokenizer:
+                raise KvlingoError(
+                    "A cross-tokenizer translator re-tokenizes the cached prompt for the "
+                    "target: give it with --prompt or --prompt-file.")
             if text is None and t.spec.native_prefix:
                 raise KvlingoError(
                     f"The translator computes the first {t.spec.native_prefix} token(s) with "
@@ -311,7 +317,7 @@ def register(app: typer.Typer):
             t.check_models(src, tgt, src_tok, tgt_tok)
             out_dtype = native_dtype(target) if dtype == "auto" else getattr(mx, dtype)
             r = convert_prompt_cache_file(in_file, out, src, tgt, t, target, tgt_tok, text,
-                                          out_dtype)
+                                          out_dtype, source_tokenizer=src_tok)
             typer.echo(f"Converted {r.tokens} cached tokens ({r.translated} translated, "
                        f"{r.native} computed by the target) in {r.seconds:.2f}s; wrote {out} "
                        f"({r.dtype}) for {r.target_model}.")

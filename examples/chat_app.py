@@ -21,7 +21,8 @@ import queue
 import sys
 import threading
 
-from mlx_kvlingo.session import builtin_session, finish_thread
+from mlx_kvlingo.builtin_pair import builtin_session
+from mlx_kvlingo.session import finish_thread
 
 KEYWORDS = ("explain", "why", "prove", "step by step", "in detail")
 LONG_QUESTION_WORDS = 40

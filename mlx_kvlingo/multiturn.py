@@ -1,6 +1,7 @@
 """Multi-turn fidelity: how much context a model keeps over alternating turns.
 
-A conversation is a list of text segments (token ids). Segment 0 is written by
+A conversation is a list of segments: token ids (models that share a tokenizer)
+or text (any pair; each model reads its own tokenization). Segment 0 is written by
 one model; then the two models take turns, each *reading* the next segment as its
 own turn (teacher forcing, through :meth:`Session.read`): before reading, the
 model translates the segments the other model wrote since its last turn and
@@ -12,7 +13,7 @@ and top-1 agreement, per turn (DESIGN §3).
 """
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +21,7 @@ import mlx.nn as nn
 from .evaluate import MIN_CONTEXT_BENEFIT, _kl, _nll, continuation_logprobs
 from .models import prefill
 from .session import Session
+from .transcript import leading_specials
 from .translator import Translator
 
 
@@ -36,6 +38,7 @@ class TurnFidelity:
     kl: float = 0.0
     top1: float = 0.0
     conversations: int = 0
+    fallbacks: int = 0  # conversations where the quality gate re-prefilled this turn
 
     @property
     def context_benefit(self) -> float:
@@ -62,6 +65,7 @@ class _Sums:
     none: float = 0.0
     kl: float = 0.0
     top1: float = 0.0
+    fallbacks: int = 0
     tokens: int = 0
     conversations: int = 0
 
@@ -69,23 +73,30 @@ class _Sums:
 def run_conversation(
     models: Mapping[str, Tuple[nn.Module, object]],
     translators: Mapping[Tuple[str, str], Translator],
-    segments: Sequence[Sequence[int]],
+    segments: Sequence[Union[str, Sequence[int]]],
     order: Sequence[str],
+    gate=None,
 ) -> List[dict]:
     """Play one conversation: segment 0 read by ``order[0]``, segment i by
     ``order[i]``. Returns per-turn sums (turns 1..) comparing the session's
-    log-probs with a native prefill and with no context."""
-    session = Session(models, translators, chat_template=False)
+    log-probs with a native prefill of the model's own view of the transcript and
+    with no context (the view's leading special tokens, e.g. BOS, kept)."""
+    session = Session(models, translators, chat_template=False, gate=gate)
     session.read(order[0], segments[0])
     out = []
     for i in range(1, len(segments)):
         name = order[i]
         model = models[name][0]
-        seg = mx.array(list(segments[i]))[None]
-        context = mx.array(session.tokens)[None]
+        view = session.transcript_of(name)
+        before = len(view)
         got = session.read(name, segments[i])[None]
+        report = session.reports[-1]
+        context = mx.array(view.tokens[:before])[None]
+        seg = mx.array(view.tokens[before:])[None]
+        specials = leading_specials(view)
         native = continuation_logprobs(model, context, seg, prefill(model, context[:, :-1]))
-        none = continuation_logprobs(model, context, seg, None)
+        none_cache = prefill(model, context[:, :specials]) if specials else None
+        none = continuation_logprobs(model, context, seg, none_cache)
         step = dict(
             native=_nll(native, seg).sum(), session=_nll(got, seg).sum(),
             none=_nll(none, seg).sum(),
@@ -95,7 +106,8 @@ def run_conversation(
         mx.eval(step)
         d = {k: v.item() for k, v in step.items()}
         d.update(turn=i, model=name, context=context.shape[1], tokens=seg.size,
-                 translated=session.transcript.translated[name])
+                 translated=view.translated[name], gate=report.gate,
+                 fallback=report.fallback)
         out.append(d)
     return out
 
@@ -103,8 +115,9 @@ def run_conversation(
 def multiturn_fidelity(
     models: Mapping[str, Tuple[nn.Module, object]],
     translators: Mapping[Tuple[str, str], Translator],
-    conversations: Sequence[Sequence[Sequence[int]]],
+    conversations: Sequence[Sequence[Union[str, Sequence[int]]]],
     starts: Optional[Sequence[str]] = None,
+    gate=None,
 ) -> Dict[str, List[TurnFidelity]]:
     """For each starting model (default: each of two models), play every
     conversation with the two models alternating, the starting model taking turn
@@ -119,7 +132,7 @@ def multiturn_fidelity(
         who: Dict[int, str] = {}
         for segments in conversations:
             order = [other if i % 2 == 0 else start for i in range(len(segments))]
-            for d in run_conversation(models, translators, segments, order):
+            for d in run_conversation(models, translators, segments, order, gate):
                 s = sums.setdefault(d["turn"], _Sums())
                 who[d["turn"]] = d["model"]
                 s.context += d["context"]
@@ -129,6 +142,7 @@ def multiturn_fidelity(
                 s.none += d["none"]
                 s.kl += d["kl"]
                 s.top1 += d["top1"]
+                s.fallbacks += d["fallback"] is not None
                 s.tokens += d["tokens"]
                 s.conversations += 1
         rows = []
@@ -139,7 +153,7 @@ def multiturn_fidelity(
                 turn=turn, model=who[turn], context_tokens=s.context / c,
                 translated_tokens=s.translated / c, tokens=n,
                 nll_native=s.native / n, nll_session=s.session / n, nll_none=s.none / n,
-                kl=s.kl / n, top1=s.top1 / n, conversations=c,
+                kl=s.kl / n, top1=s.top1 / n, conversations=c, fallbacks=s.fallbacks,
             ))
         results[start] = rows
     return results
@@ -155,6 +169,28 @@ def conversations_from_stream(
     for doc in documents:
         if len(doc) >= need:
             out.append([list(doc[i * segment_len:(i + 1) * segment_len]) for i in range(turns + 1)])
+            if len(out) == count:
+                break
+    return out
+
+
+def text_conversations(
+    documents: Sequence[str], turns: int, segment_chars: int, count: int
+) -> List[List[str]]:
+    """Up to ``count`` conversations of ``turns + 1`` consecutive text segments of
+    about ``segment_chars`` characters (cut at spaces), each from one document
+    long enough for it: segments any pair of models can read."""
+    out = []
+    for doc in documents:
+        segments, at = [], 0
+        while len(segments) < turns + 1:
+            cut = doc.find(" ", at + segment_chars)
+            if cut < 0:
+                break
+            segments.append(doc[at:cut])
+            at = cut
+        if len(segments) == turns + 1:
+            out.append(segments)
             if len(out) == count:
                 break
     return out

@@ -73,6 +73,40 @@ def cache_prompt_tokens(tokenizer, prompt: str) -> List[int]:
     return list(tokenizer.encode(prompt))
 
 
+def cache_prompt_alignment(source_tokenizer, target_tokenizer, prompt: str):
+    """An :class:`~mlx_kvlingo.align.Alignment` from the tokens ``cache_prompt``
+    caches for ``prompt`` with the source tokenizer to those the target's own
+    tokenizer and chat template give: each target token of the prompt's text reads
+    the source token holding its last character; template tokens are computed by
+    the target (NATIVE)."""
+    from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
+
+    def render(tok):
+        ids = cache_prompt_tokens(tok, prompt)
+        if getattr(tok, "has_chat_template", False):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           tokenize=False, add_generation_prompt=False,
+                                           continue_final_message=True)
+            got, offsets = tokenize_with_offsets(tok, text, add_special_tokens=False)
+        else:
+            text = prompt
+            got, offsets = tokenize_with_offsets(tok, text)
+        if list(got) != list(ids):
+            raise KvlingoError("Could not locate the prompt's characters in its tokens.")
+        lo = text.rfind(prompt)
+        hi = lo + len(prompt)
+        # Characters relative to the prompt; tokens outside it have none.
+        inside = [(max(a, lo) - lo, b - lo) if a < b and lo <= b - 1 < hi else (0, 0)
+                  for a, b in offsets]
+        return ids, inside
+
+    s_ids, s_off = render(source_tokenizer)
+    t_ids, t_off = render(target_tokenizer)
+    index = align_offsets(s_off, t_off, native_prefix=0)
+    index = [NATIVE if b <= a else i for i, (a, b) in zip(index, t_off)]
+    return Alignment(s_ids, t_ids, index)
+
+
 def read_prompt_cache(path):
     """(cache, metadata) of an mlx-lm prompt-cache file, with clear errors."""
     from mlx_lm.models.cache import load_prompt_cache
@@ -185,16 +219,35 @@ def convert_prompt_cache(
     cache: List,
     tokens: Optional[Sequence[int]] = None,
     dtype: Optional[mx.Dtype] = None,
+    alignment=None,
 ) -> List:
     """A target prompt cache holding every position of the source prompt cache
     ``cache``: the first ``translator.spec.native_prefix`` computed by the target
     from ``tokens`` (the cached token ids; needed only for those), the rest
-    translated. ``dtype``: cast the result (default: the target's dtype)."""
+    translated. ``dtype``: cast the result (default: the target's dtype).
+
+    ``alignment``: for a cross-tokenizer translator, source -> target tokens of
+    the cached text (:func:`cache_prompt_alignment`); the result holds the target's
+    own tokenization of it."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .switch import translate_span
+    from .switch import translate_aligned, translate_span
 
     n = cache_length(cache)
+    if translator.cross_tokenizer or alignment is not None:
+        if alignment is None:
+            raise KvlingoError(
+                "A cross-tokenizer translator needs the prompt that was cached (to "
+                "tokenize it for the target too)."
+            )
+        if len(alignment.source_tokens) != n:
+            raise PromptCacheError(
+                f"The prompt is {len(alignment.source_tokens)} tokens but the cache holds "
+                f"{n}: it is not the prompt that was cached."
+            )
+        out = translate_aligned(source, target, translator, cache, make_prompt_cache(target),
+                                alignment, len(alignment.target_tokens))
+        return _finish(out, dtype)
     native = min(translator.spec.native_prefix, n)
     if tokens is None:
         if native:
@@ -210,6 +263,10 @@ def convert_prompt_cache(
         )
     out = translate_span(source, target, translator, cache, make_prompt_cache(target),
                          mx.array(list(tokens))[None], n)
+    return _finish(out, dtype)
+
+
+def _finish(out: List, dtype) -> List:
     if dtype is not None:
         for c in out:
             c.keys, c.values = c.keys.astype(dtype), c.values.astype(dtype)
@@ -227,11 +284,14 @@ def convert_prompt_cache_file(
     tokenizer=None,
     prompt: Optional[str] = None,
     dtype: Optional[mx.Dtype] = None,
+    source_tokenizer=None,
 ) -> ConversionReport:
     """Convert the mlx-lm prompt-cache file ``in_path`` (made by ``source``) into
     ``out_path`` for ``target``. ``target_name`` goes into the metadata's ``model``
     and must be the exact ``--model`` string ``mlx_lm.generate`` will be given.
-    ``prompt`` (with ``tokenizer``): the text given to ``mlx_lm.cache_prompt``."""
+    ``prompt`` (with ``tokenizer``): the text given to ``mlx_lm.cache_prompt``.
+    With a cross-tokenizer translator, ``tokenizer`` is the target's and
+    ``source_tokenizer`` the source's, and the prompt is required."""
     from mlx_lm.models.cache import save_prompt_cache
 
     t0 = time.perf_counter()
@@ -239,8 +299,19 @@ def convert_prompt_cache_file(
     cache, metadata = read_prompt_cache(in_path)
     _check_source_cache(source, cache, str(in_path))
     n = cache_length(cache)
-    tokens = None
-    if prompt is not None:
+    tokens = alignment = None
+    if translator.cross_tokenizer:
+        if prompt is None or tokenizer is None or source_tokenizer is None:
+            raise KvlingoError(
+                "A cross-tokenizer translator needs the prompt that was cached and both "
+                "tokenizers (it re-tokenizes the prompt for the target).")
+        alignment = cache_prompt_alignment(source_tokenizer, tokenizer, prompt)
+        if len(alignment.source_tokens) != n:
+            raise PromptCacheError(
+                f"The prompt is {len(alignment.source_tokens)} tokens but {in_path} holds "
+                f"{n}: it is not the prompt that was cached.")
+        _check_prompt(source, cache, alignment.source_tokens)
+    elif prompt is not None:
         if tokenizer is None:
             raise KvlingoError("A tokenizer is needed to re-tokenize the prompt.")
         tokens = cache_prompt_tokens(tokenizer, prompt)
@@ -251,12 +322,17 @@ def convert_prompt_cache_file(
                 "template)."
             )
         _check_prompt(source, cache, tokens)
-    out = convert_prompt_cache(source, target, translator, cache, tokens, dtype)
+    out = convert_prompt_cache(source, target, translator, cache, tokens, dtype, alignment)
     meta = {k: v for k, v in metadata.items() if k != METADATA_KEY}
     source_model = meta.get("model", "")
     meta["model"] = str(target_name)
     meta.setdefault("tokenizer_config", "{}")  # mlx_lm.generate reads it
-    native = min(translator.spec.native_prefix, n)
+    if alignment is not None:
+        index = alignment.with_native_prefix(translator.spec.native_prefix).source_index
+        native = sum(1 for i in index if i < 0)
+        n = len(index)
+    else:
+        native = min(translator.spec.native_prefix, n)
     meta[METADATA_KEY] = json.dumps({
         "converted_from": source_model,
         "translator": f"{translator.spec.source.name} -> {translator.spec.target.name}",

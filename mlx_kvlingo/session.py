@@ -1,4 +1,4 @@
-"""A conversation among several models, each keeping its own KV cache.
+"""A conversation among several loaded models, each keeping its own KV cache.
 
 Any loaded model can take any turn. On its turn a model first catches up on what
 the others wrote since it last ran — each such span is *translated* from the
@@ -9,9 +9,9 @@ user's message and the chat template's markers) and generates::
     import mlx_kvlingo as kv
     from mlx_kvlingo.session import Session
 
-    small, tok = kv.load("small-model")
-    large, _ = kv.load("large-model")
-    session = Session({"small": (small, tok), "large": (large, tok)},
+    small, small_tok = kv.load("small-model")
+    large, large_tok = kv.load("large-model")
+    session = Session({"small": (small, small_tok), "large": (large, large_tok)},
                       {("small", "large"): kv.load_translator("s2l.safetensors"),
                        ("large", "small"): kv.load_translator("l2s.safetensors")})
     print(session.generate("small", "What does zip() do?").text)
@@ -22,117 +22,43 @@ user's message and the chat template's markers) and generates::
 Where no translator exists for a direction, the missing span is prefilled by the
 model taking the turn and the turn's report carries a warning saying so.
 
-This version needs models that share one tokenizer, so all models read one token
-list (positions are shared). The bookkeeping of who wrote which span and how far
-each model has read lives in :class:`Transcript` alone.
+Tokenizers: models that share a tokenizer read one token list (a *view*,
+:class:`~mlx_kvlingo.transcript.Transcript`) position for position. Models with
+different tokenizers each render the conversation with their own chat template
+(or the plain ``role: content`` format when their tokenizer has none) into their
+own view; a span of message text one model wrote is translated for another by
+aligning characters (each target token reads the writer's token that holds its
+last character, ``align.py``), and template tokens with no text are computed by
+the reading model itself, in order. A model's own answers keep the ids it
+generated. Models with a new tokenizer join before the first turn.
 
-Chat template: the transcript is rendered with the tokenizer's chat template
-when it has one (else a plain ``role: content`` format), *incrementally*: each
-turn appends only the tokens of the text the template puts after the previous
-turn, so the transcript is always a prefix-extension of the previous one and no
-cache is ever invalidated.
+Chat template: each view is rendered *incrementally*: each turn appends only the
+tokens of the text the template puts after the previous turn, so a view is always
+a prefix-extension of the previous one and no cache is ever invalidated.
 """
 
-import hashlib
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.generate import GenerationResponse, generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from .align import NATIVE, Alignment
 from .errors import KvlingoError
-from .models import cache_length, model_name, prefill, tokenizer_fingerprint
-from .switch import translate_span
+from .models import cache_length, prefill, tokenizer_fingerprint
+from .switch import translate_aligned, translate_span
+from .transcript import TEMPLATE, Span, Transcript, align_pieces, ids_offsets
 from .translator import Translator
 
-# Stands in for the last message's content when rendering what the template puts
-# after it (see Session._render_piece).
-_SENTINEL = "KVLINGO_SENTINEL_2f9c1"
+__all__ = ["Session", "Span", "Transcript", "TurnReport", "TurnStream", "finish_thread",
+           "format_reports"]
 
 Message = Dict[str, str]
 MessageInput = Union[None, str, Sequence[Message]]
-
-
-# ---------------------------------------------------------------------------
-# Bookkeeping: one token list, who wrote each span, how far each model has read
-
-
-@dataclass
-class Span:
-    """Positions start..end-1 of the transcript, computed natively by ``writer``."""
-
-    start: int
-    end: int
-    writer: str
-    kind: str  # "prompt" (template + user text), "generated", "read" (teacher-forced)
-
-
-class Transcript:
-    """The conversation's tokens, which model wrote each span, and how many leading
-    tokens each model's cache holds.
-
-    ``processed[name]`` always equals the length of that model's cache. Everything
-    a model has not processed yet is a list of spans (:meth:`pending`) to translate
-    from their writers' caches or to prefill.
-
-    Cross-tokenizer pairs would keep one token list per model and an alignment
-    between them; the spans (kept with their text positions) are the unit that
-    would be re-tokenized and aligned.
-    """
-
-    def __init__(self):
-        self.tokens: List[int] = []
-        self.spans: List[Span] = []
-        self.processed: Dict[str, int] = {}
-        self.translated: Dict[str, int] = {}  # positions of each cache that were translated
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add_model(self, name: str):
-        self.processed.setdefault(name, 0)
-        self.translated.setdefault(name, 0)
-
-    def append(self, tokens: Sequence[int], writer: str, kind: str):
-        """Append tokens written by ``writer`` (merged with the last span when the
-        writer and kind are the same)."""
-        if not tokens:
-            return
-        start = len(self.tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        last = self.spans[-1] if self.spans else None
-        if last is not None and last.writer == writer and last.kind == kind and last.end == start:
-            last.end = len(self.tokens)
-        else:
-            self.spans.append(Span(start, len(self.tokens), writer, kind))
-
-    def pending(self, name: str, end: int) -> List[Span]:
-        """The spans between what ``name`` has processed and ``end``, clipped, with
-        adjacent spans of one writer merged."""
-        start = self.processed[name]
-        out: List[Span] = []
-        for s in self.spans:
-            lo, hi = max(s.start, start), min(s.end, end)
-            if lo >= hi:
-                continue
-            if out and out[-1].writer == s.writer and out[-1].end == lo:
-                out[-1].end = hi
-                out[-1].kind = "mixed" if out[-1].kind != s.kind else s.kind
-            else:
-                out.append(Span(lo, hi, s.writer, s.kind))
-        return out
-
-    def writer_at(self, position: int) -> str:
-        for s in self.spans:
-            if s.start <= position < s.end:
-                return s.writer
-        raise IndexError(position)
 
 
 # ---------------------------------------------------------------------------
@@ -161,6 +87,8 @@ class TurnReport:
     text: str = ""
     finish_reason: Optional[str] = None
     warnings: List[str] = field(default_factory=list)
+    gate: Optional[dict] = None  # the quality gate's numbers and decision (gate.py)
+    fallback: Optional[str] = None  # why translated positions were recomputed natively
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -194,6 +122,7 @@ class _Entry:
     model: nn.Module
     tokenizer: object
     cache: List
+    fingerprint: str = ""
 
 
 class TurnStream:
@@ -232,20 +161,23 @@ class Session:
     name) -> :class:`~mlx_kvlingo.translator.Translator`; checked against the
     models when added. Directions without a translator fall back to prefilling.
 
-    ``chat_template``: None (default) uses the tokenizer's chat template when it
+    ``chat_template``: None (default) uses each tokenizer's chat template when it
     has one; False always uses the plain ``role: content`` format.
     ``system_prompt``: a system message put before the first turn.
+    ``gate``: a :class:`~mlx_kvlingo.gate.QualityGate` that judges every turn
+    that starts on translated positions and re-prefills when it predicts a bad
+    translation (None: no gate).
 
-    Threads: every turn (``generate``, ``read``, ``reset``) holds the session's
-    lock, so a chat app may call one Session from worker threads; concurrent turns
-    run one after the other, each seeing the whole conversation before it. A
-    streaming turn holds the lock from its first ``next()`` until it is exhausted
-    or closed; starting another turn on the same thread before then raises
-    :class:`KvlingoError` instead of deadlocking. Models must not be shared with
-    other code running at the same time. A worker thread that ran turns should call
-    :func:`finish_thread` before it ends: MLX keeps per-thread streams, and a
-    thread that leaves them behind can make the process abort at exit
-    ("terminate called without an active exception").
+    Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
+    session's lock, so a chat app may call one Session from worker threads;
+    concurrent turns run one after the other, each seeing the whole conversation
+    before it. A streaming turn holds the lock from its first ``next()`` until it
+    is exhausted or closed; starting another turn on the same thread before then
+    raises :class:`KvlingoError` instead of deadlocking. Models must not be shared
+    with other code running at the same time. A worker thread that ran turns
+    should call :func:`finish_thread` before it ends: MLX keeps per-thread
+    streams, and a thread that leaves them behind can make the process abort at
+    exit ("terminate called without an active exception").
     """
 
     def __init__(
@@ -254,17 +186,21 @@ class Session:
         translators: Optional[Mapping[Tuple[str, str], Translator]] = None,
         system_prompt: Optional[str] = None,
         chat_template: Optional[bool] = None,
+        gate=None,
     ):
         self._models: Dict[str, _Entry] = {}
         self._translators: Dict[Tuple[str, str], Translator] = {}
+        self._views: Dict[str, Transcript] = {}  # tokenizer fingerprint -> view
+        self._view_of: Dict[str, Transcript] = {}
         self._lock = threading.Lock()
         self._owner: Optional[int] = None
         self._use_template = chat_template
         self.system_prompt = system_prompt
-        self.transcript = Transcript()
+        self.gate = gate
         self.messages: List[Message] = []
+        self._message_pieces: List[int] = []  # per message: its text piece id
+        self._next_piece = 0
         self.reports: List[TurnReport] = []
-        self._last_token_eos = False
         for name, (model, tokenizer) in (models or {}).items():
             self.add_model(name, model, tokenizer)
         for (src, tgt), translator in (translators or {}).items():
@@ -273,23 +209,26 @@ class Session:
     # -- setup ----------------------------------------------------------------
 
     def add_model(self, name: str, model: nn.Module, tokenizer):
-        """Add a model under ``name``; it joins the conversation on its first turn."""
+        """Add a model under ``name``; it joins the conversation on its first turn
+        (a model whose tokenizer no other model uses: before the first turn)."""
         if not name or not isinstance(name, str):
             raise KvlingoError("A model needs a non-empty name.")
         if name in self._models:
             raise KvlingoError(f"A model named {name!r} is already in the session.")
-        if self._models:
-            first = next(iter(self._models.values()))
-            if tokenizer_fingerprint(first.tokenizer) != tokenizer_fingerprint(tokenizer):
+        fp = tokenizer_fingerprint(tokenizer)
+        if fp not in self._views:
+            if any(len(v) for v in self._views.values()):
                 raise KvlingoError(
-                    f"Model {name!r} has a different tokenizer. This version of the "
-                    "session needs models that share one tokenizer."
+                    f"Model {name!r} has a tokenizer no model of the session uses; such a "
+                    "model joins before the first turn (or after reset())."
                 )
+            self._views[fp] = Transcript(tokenizer, self._use_template)
         # Weights left lazy (e.g. a dtype cast after loading) would be bound to the
         # loading thread's stream; materialize them so any thread can run turns.
         mx.eval(model.parameters())
-        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model))
-        self.transcript.add_model(name)
+        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model), fp)
+        self._view_of[name] = self._views[fp]
+        self._views[fp].add_model(name)
 
     def add_translator(self, source: str, target: str, translator: Translator):
         """Use ``translator`` for spans ``source`` wrote that ``target`` must read."""
@@ -300,6 +239,26 @@ class Session:
         mx.eval(translator.parameters())
         self._translators[source, target] = translator
 
+    def fresh(self) -> "Session":
+        """A new, empty conversation with this session's models, translators and
+        settings (nothing loaded or checked again: cheap)."""
+        s = Session(system_prompt=self.system_prompt, chat_template=self._use_template,
+                    gate=self.gate)
+        for fp, v in self._views.items():
+            s._views[fp] = Transcript(v.tokenizer, self._use_template)
+        for name, e in self._models.items():
+            s._models[name] = _Entry(e.model, e.tokenizer, make_prompt_cache(e.model),
+                                     e.fingerprint)
+            s._view_of[name] = s._views[e.fingerprint]
+            s._view_of[name].add_model(name)
+        s._translators = dict(self._translators)
+        return s
+
+    def nbytes(self) -> int:
+        """Bytes the models' caches of this conversation hold."""
+        return sum(c.nbytes for e in self._models.values() for c in e.cache
+                   if getattr(c, "keys", None) is not None)
+
     @property
     def model_names(self) -> List[str]:
         return list(self._models)
@@ -307,27 +266,52 @@ class Session:
     def has_translator(self, source: str, target: str) -> bool:
         return (source, target) in self._translators
 
+    def translator(self, source: str, target: str) -> Optional[Translator]:
+        return self._translators.get((source, target))
+
     def model(self, name: str) -> nn.Module:
         return self._entry(name).model
 
     def cache(self, name: str) -> List:
-        """The prompt cache of model ``name`` (holds ``transcript.processed[name]``
+        """The prompt cache of model ``name`` (holds ``transcript_of(name).processed[name]``
         tokens). Do not modify it."""
         return self._entry(name).cache
 
     @property
+    def cross_tokenizer(self) -> bool:
+        """Whether the models use more than one tokenizer."""
+        return len(self._views) > 1
+
+    @property
     def tokenizer(self):
-        """The tokenizer every model of the session shares."""
-        return self._tokenizer()
+        """The first model's tokenizer (every model's, when they share one)."""
+        return self._first().tokenizer
+
+    def tokenizer_of(self, name: str):
+        return self._entry(name).tokenizer
+
+    @property
+    def transcript(self) -> Transcript:
+        """The first model's view of the conversation (every model's, when they
+        share a tokenizer)."""
+        return self._view_of[self._first_name()] if self._models else Transcript()
+
+    def transcript_of(self, name: str) -> Transcript:
+        self._entry(name)
+        return self._view_of[name]
 
     @property
     def tokens(self) -> List[int]:
         return list(self.transcript.tokens)
 
-    def text(self) -> str:
-        """The transcript as text, special tokens included."""
-        tok = self._tokenizer()
-        return tok.decode(self.transcript.tokens) if self.transcript.tokens else ""
+    def tokens_of(self, name: str) -> List[int]:
+        return list(self.transcript_of(name).tokens)
+
+    def text(self, name: Optional[str] = None) -> str:
+        """The transcript as text (model ``name``'s view, default the first), special
+        tokens included."""
+        view = self.transcript_of(name) if name else self.transcript
+        return view.tokenizer.decode(view.tokens) if view.tokens else ""
 
     def _entry(self, name: str) -> _Entry:
         try:
@@ -336,10 +320,13 @@ class Session:
             known = ", ".join(self._models) or "none"
             raise KvlingoError(f"No model named {name!r} in the session (models: {known}).") from None
 
-    def _tokenizer(self):
+    def _first_name(self) -> str:
         if not self._models:
             raise KvlingoError("The session has no models.")
-        return next(iter(self._models.values())).tokenizer
+        return next(iter(self._models))
+
+    def _first(self) -> _Entry:
+        return self._models[self._first_name()]
 
     # -- turns ----------------------------------------------------------------
 
@@ -376,7 +363,8 @@ class Session:
 
     def read(self, model: str, tokens: Union[str, Sequence[int]]) -> mx.array:
         """A teacher-forced turn: ``model`` reads ``tokens`` (ids, or text encoded
-        without special tokens) as its own contribution — a scripted reply, a
+        with the model's tokenizer, special tokens such as BOS included when the
+        conversation is empty) as its own contribution — a scripted reply, a
         document — instead of generating. No chat template is applied (in a
         templated conversation, pass text as messages to :meth:`generate` instead).
 
@@ -386,22 +374,31 @@ class Session:
         the next turn to process (like the context's last token in a switch).
         """
         entry = self._entry(model)
-        if isinstance(tokens, str):
-            tokens = self._tokenizer().encode(tokens, add_special_tokens=False)
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise KvlingoError("Nothing to read: the token list is empty.")
+        view = self._view_of[model]
         with self._turn_lock() as wait_s:
+            L = len(view)
+            if isinstance(tokens, str):
+                text = tokens
+                tokens = entry.tokenizer.encode(text, add_special_tokens=not L)
+            else:
+                tokens = [int(t) for t in tokens]
+                text = entry.tokenizer.decode(tokens, skip_special_tokens=True)
+            if not tokens:
+                raise KvlingoError("Nothing to read: the token list is empty.")
             t0 = time.perf_counter()
             report = TurnReport(index=len(self.reports), model=model, kind="read", wait_s=wait_s)
-            L = len(self.transcript)
             if L:
-                self._catch_up(model, L - 1, report)
-                inputs = [self.transcript.tokens[-1]] + tokens[:-1]
+                if view.processed[model] >= L:  # it wrote the last token: re-read it
+                    self._restore(model, L - 1)
+                self._catch_up_gated(model, L - 1, report)
+                inputs = [view.tokens[-1]] + tokens[:-1]
             else:
                 inputs = tokens
-            self.transcript.append(tokens, model, "read")
-            self._last_token_eos = False
+            piece = self._new_piece()
+            offsets = ids_offsets(entry.tokenizer, tokens, text) if self.cross_tokenizer else None
+            view.append(tokens, model, "read", [piece] * len(tokens), offsets)
+            view.last_token_eos = False
+            self._append_text_elsewhere(view, text, piece, model, "read")
             report.context_tokens = L
             report.new_tokens = len(tokens)
             report.prefilled += len(inputs)
@@ -419,12 +416,49 @@ class Session:
     def reset(self):
         """Forget the conversation (every model's cache too)."""
         with self._turn_lock():
-            self.transcript = Transcript()
-            for name, e in self._models.items():
+            self._forget()
+            self.reports = []
+
+    def truncate(self, messages: int):
+        """Forget ``messages[messages:]`` and every position after them (an edited or
+        regenerated message): each model's cache is trimmed to what it still holds
+        of the rest, or emptied when it cannot be trimmed (it catches up on its
+        next turn). The conversation then ends right after message ``messages - 1``'s
+        content; ``generate(model)`` with no message answers it again."""
+        with self._turn_lock():
+            if messages >= len(self.messages):
+                return
+            views = list(self._views.values())
+            if messages <= 0 or any(len(v.message_ends) < messages for v in views):
+                self._forget()
+                return
+            for v in views:
+                cut = v.message_ends[messages - 1]
+                for name in v.processed:
+                    entry = self._models[name]
+                    extra = cache_length(entry.cache) - cut
+                    if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+                        entry.cache = make_prompt_cache(entry.model)
+                        v.processed[name] = 0
+                    v.translated[name] = min(v.translated[name], v.processed[name], cut)
+                v.truncate(cut)
+                last = v.spans[-1] if v.spans else None
+                v.last_token_eos = bool(
+                    last is not None and last.kind == "generated"
+                    and v.tokens[-1] in _eos_ids(v.tokenizer)
+                )
+            del self.messages[messages:], self._message_pieces[messages:]
+
+    def _forget(self):
+        for fp, v in list(self._views.items()):
+            fresh = Transcript(v.tokenizer, self._use_template)
+            for name in v.processed:
+                e = self._models[name]
                 e.cache = make_prompt_cache(e.model)
-                self.transcript.add_model(name)
-            self.messages, self.reports = [], []
-            self._last_token_eos = False
+                fresh.add_model(name)
+                self._view_of[name] = fresh
+            self._views[fp] = fresh
+        self.messages, self._message_pieces = [], []
 
     # -- internals --------------------------------------------------------------
 
@@ -451,53 +485,163 @@ class Session:
     def _turn_lock(self):
         return Session._Locked(self)
 
+    def _new_piece(self) -> int:
+        self._next_piece += 1
+        return self._next_piece - 1
+
     def _generate_turn(self, name, new_messages, max_tokens, kwargs, report):
         entry = self._models[name]
+        view = self._view_of[name]
         with self._turn_lock() as wait_s:
             t0 = time.perf_counter()
             report.wait_s = wait_s
-            tok = self._tokenizer()
-            L = len(self.transcript)
-            piece = self._render_piece(new_messages)
+            L = len(view)
+            if not self.messages and self.system_prompt:
+                new_messages[:0] = [{"role": "system", "content": self.system_prompt}]
+            pieces = [self._new_piece() for _ in new_messages]
+            chunks = {id(v): v.render_chunk(self.messages, new_messages, pieces)
+                      for v in self._views.values()}
+            ids = chunks[id(view)][0]
             report.index = len(self.reports)
             self.reports.append(report)
-            if piece:
-                self._catch_up(name, L, report)
-                prompt = piece
-                self.transcript.append(piece, name, "prompt")
+            if ids:
+                self._catch_up_gated(name, L, report)
+                prompt = ids
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
-                if self.transcript.processed[name] >= L:
+                if view.processed[name] >= L:
                     self._restore(name, L - 1)
-                self._catch_up(name, L - 1, report)
-                prompt = self.transcript.tokens[-1:]
-            report.new_tokens = len(piece)
+                self._catch_up_gated(name, L - 1, report)
+                prompt = view.tokens[-1:]
+            for v in self._views.values():
+                self._append_chunk(v, chunks[id(v)], name, v is view)
+            report.new_tokens = len(ids)
             report.prefilled += len(prompt)
-            report.context_tokens = len(self.transcript)
+            report.context_tokens = len(view)
             self.messages.extend(new_messages)
+            self._message_pieces.extend(pieces)
             answer = {"role": "assistant", "content": ""}
+            piece = self._new_piece()
             self.messages.append(answer)
-            self._last_token_eos = False
+            self._message_pieces.append(piece)
+            start = len(view)
+            view.last_token_eos = False
+            eos = _eos_ids(entry.tokenizer)
             responses = stream_generate(
-                entry.model, tok, mx.array(prompt), max_tokens=max_tokens,
+                entry.model, entry.tokenizer, mx.array(prompt), max_tokens=max_tokens,
                 prompt_cache=entry.cache, **kwargs,
             )
             try:
                 for r in responses:
                     if report.ttft_s is None:
                         report.ttft_s = time.perf_counter() - t0
-                    self.transcript.append([r.token], name, "generated")
+                    view.append([r.token], name, "generated", [piece])
                     report.generated += 1
                     report.text += r.text
                     answer["content"] = report.text
                     report.finish_reason = r.finish_reason
-                    self._last_token_eos = r.token in tok.eos_token_ids
+                    view.last_token_eos = r.token in eos
                     yield r
             finally:
                 responses.close()
+                self._finish_answer(name, start, piece, report.text)
                 self._settle(name)
                 report.total_s = time.perf_counter() - t0
+
+    def _append_chunk(self, view: Transcript, chunk, writer: str, own: bool,
+                      kind: str = "prompt"):
+        """Append a rendered chunk: in the writer's own view every token is its
+        prompt; elsewhere template tokens are nobody's (computed by whoever reads
+        them) and message text is the writer's (translated from its view)."""
+        ids, pieces, offsets, ends = chunk
+        start = len(view)
+        if own:
+            view.append(ids, writer, kind, pieces, offsets)
+        else:
+            j = 0
+            while j < len(ids):
+                k = j
+                while k < len(ids) and (pieces[k] == TEMPLATE) == (pieces[j] == TEMPLATE):
+                    k += 1
+                who = None if pieces[j] == TEMPLATE else writer
+                view.append(ids[j:k], who, "template" if who is None else kind,
+                            pieces[j:k], offsets[j:k])
+                j = k
+        view.message_ends += [start + e for e in ends]
+        if ids:
+            view.last_token_eos = False
+
+    def _append_text_elsewhere(self, own: Transcript, text: str, piece: int, writer: str,
+                               kind: str):
+        """Message text ``writer`` wrote, appended to every other view in that view's
+        own tokenization (BOS and the like included when the view is empty)."""
+        for v in self._views.values():
+            if v is own:
+                continue
+            ids, pieces, offsets = v.tokenize(text, [(piece, 0, len(text))],
+                                              add_special_tokens=not len(v))
+            self._append_chunk(v, (ids, pieces, offsets, []), writer, False, kind)
+
+    def _finish_answer(self, name: str, start: int, piece: int, text: str):
+        """End of an answer: record where each generated token's text lies, and give
+        the other views the answer in their own tokenization."""
+        view = self._view_of[name]
+        if self.cross_tokenizer:
+            view.set_offsets(start, ids_offsets(view.tokenizer, view.tokens[start:], text))
+        view.message_ends.append(len(view))
+        self._append_text_elsewhere(view, text, piece, name, "generated")
+        for v in self._views.values():
+            if v is not view:
+                v.message_ends.append(len(v))
+
+    def _catch_up_gated(self, name: str, end: int, report: TurnReport):
+        """:meth:`_catch_up`, judged by the quality gate when it translates: the last
+        ``gate.tokens`` positions are computed natively and scored, and on a bad
+        score everything this turn translated is re-prefilled instead."""
+        view, entry = self._view_of[name], self._models[name]
+        start = view.processed[name]
+        m = min(self.gate.tokens, end - start) if self.gate is not None else 0
+        if m < 2 or not any(
+            s.writer not in (None, name) and (s.writer, name) in self._translators
+            for s in view.pending(name, end - m)
+        ):
+            self._catch_up(name, end, report)
+            return
+        self._catch_up(name, end - m, report)
+        if not report.translated:
+            self._catch_up(name, end, report)
+            return
+        from .transcript import leading_specials
+
+        translators = [self._translators[w, name] for w in report.translated_from]
+        decision = self.gate.judge(entry.model, entry.cache, view.tokens[end - m:end],
+                                   view.tokens[:leading_specials(view)], translators)
+        view.processed[name] = end
+        report.prefilled += m
+        report.gate = decision.to_dict()
+        if decision.fallback:
+            self._fallback(name, start, end, decision.reason, report)
+
+    def _fallback(self, name: str, start: int, end: int, reason: str, report: TurnReport):
+        """Replace positions start..end-1 (this turn's catch-up) by a native prefill."""
+        t0 = time.perf_counter()
+        view, entry = self._view_of[name], self._models[name]
+        counted = end - start - report.translated  # positions already counted as prefilled
+        extra = cache_length(entry.cache) - start
+        if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+            entry.cache = make_prompt_cache(entry.model)  # e.g. a full sliding window
+            start = 0
+        view.translated[name] = max(view.translated[name] - report.translated, 0)
+        if start == 0:
+            view.translated[name] = 0
+        prefill(entry.model, mx.array(view.tokens[start:end]), entry.cache)
+        mx.eval([(c.keys, c.values) for c in entry.cache])
+        view.processed[name] = end
+        report.prefilled += end - start - counted
+        report.translated, report.translated_from = 0, {}
+        report.fallback = reason
+        report.translate_s += time.perf_counter() - t0
 
     def _catch_up(self, name: str, end: int, report: TurnReport):
         """Bring model ``name``'s cache to ``end`` tokens: spans other models wrote are
@@ -507,51 +651,30 @@ class Session:
         except BaseException:
             # Interrupted (Ctrl-C) or failed half-way: layers may disagree. Start this
             # model's cache afresh; its next turn catches up from the beginning.
-            entry = self._models[name]
+            entry, view = self._models[name], self._view_of[name]
             entry.cache = make_prompt_cache(entry.model)
-            self.transcript.processed[name] = 0
-            self.transcript.translated[name] = 0
+            view.processed[name] = 0
+            view.translated[name] = 0
             raise
 
     def _catch_up_spans(self, name: str, end: int, report: TurnReport):
-        entry = self._models[name]
+        entry, view = self._models[name], self._view_of[name]
         t0 = time.perf_counter()
-        tokens = None
         missing: Dict[str, int] = {}
-        for span in self.transcript.pending(name, end):
+        for span in view.pending(name, end):
             lo, hi, writer = span.start, span.end, span.writer
-            translator = self._translators.get((writer, name))
-            held = min(hi, self.transcript.processed.get(writer, 0)) if writer != name else lo
-            if translator is not None and held > lo:
-                if tokens is None:
-                    tokens = mx.array(self.transcript.tokens)[None]
-                n_native = min(max(translator.spec.native_prefix, lo), held) - lo
-                try:
-                    entry.cache = translate_span(
-                        self._models[writer].model, entry.model, translator,
-                        self._models[writer].cache, entry.cache, tokens, held,
-                    )
-                except KvlingoError as e:  # e.g. a sliding-window source dropped the span
-                    self._restore(name, lo)
-                    report.warnings.append(
-                        f"could not translate positions {lo}..{held - 1} from {writer} "
-                        f"({e}); {name} prefilled them."
-                    )
-                else:
-                    report.translated += held - lo - n_native
-                    report.prefilled += n_native
-                    report.translated_from[writer] = (
-                        report.translated_from.get(writer, 0) + held - lo - n_native
-                    )
-                    self.transcript.translated[name] += held - lo - n_native
-                    self.transcript.processed[name] = held
-                    lo = held
-            if lo < hi:
-                if writer != name and translator is None:
+            if writer is not None and writer != name:
+                translator = self._translators.get((writer, name))
+                if translator is None:
                     missing[writer] = missing.get(writer, 0) + hi - lo
-                prefill(entry.model, mx.array(self.transcript.tokens[lo:hi]), entry.cache)
+                elif self._view_of[writer] is view:
+                    lo = self._translate_shared(name, writer, translator, lo, hi, report)
+                else:
+                    lo = self._translate_aligned(name, writer, translator, lo, hi, report)
+            if lo < hi:
+                prefill(entry.model, mx.array(view.tokens[lo:hi]), entry.cache)
                 report.prefilled += hi - lo
-                self.transcript.processed[name] = hi
+                view.processed[name] = hi
         for writer, n in missing.items():
             report.warnings.append(
                 f"no translator {writer} -> {name}: {name} prefilled the {n} tokens "
@@ -561,16 +684,78 @@ class Session:
             mx.eval([(c.keys, c.values) for c in entry.cache])
         report.translate_s += time.perf_counter() - t0
 
+    def _translate_shared(self, name, writer, translator, lo, hi, report) -> int:
+        """Positions lo.. that ``writer``'s cache holds, translated position for
+        position (shared tokenizer); returns the first position not translated."""
+        entry, view = self._models[name], self._view_of[name]
+        held = min(hi, view.processed.get(writer, 0))
+        if held <= lo:
+            return lo
+        n_native = min(max(translator.spec.native_prefix, lo), held) - lo
+        tokens = mx.array(view.tokens)[None]
+        try:
+            entry.cache = translate_span(
+                self._models[writer].model, entry.model, translator,
+                self._models[writer].cache, entry.cache, tokens, held,
+            )
+        except KvlingoError as e:  # e.g. a sliding-window source dropped the span
+            return self._translation_failed(name, writer, lo, held, e, report)
+        self._count_translated(name, writer, lo, held, held - lo - n_native, report)
+        return held
+
+    def _translate_aligned(self, name, writer, translator, lo, hi, report) -> int:
+        """Positions lo.. whose text ``writer`` wrote in its own tokenization: each
+        reads the writer's token holding its last character; template tokens are
+        computed natively. Returns the first position not handled."""
+        entry, view = self._models[name], self._view_of[name]
+        source_view = self._view_of[writer]
+        index = align_pieces(source_view, view, lo, hi)
+        held = source_view.processed.get(writer, 0)
+        h = lo
+        while h < hi and index[h - lo] < held:  # NATIVE (-1) is always "held"
+            h += 1
+        if h == lo:
+            return lo
+        alignment = Alignment(source_view.tokens, view.tokens[:h], [NATIVE] * lo + index[:h - lo])
+        native = alignment.with_native_prefix(translator.spec.native_prefix).source_index[lo:h]
+        try:
+            entry.cache = translate_aligned(
+                self._models[writer].model, entry.model, translator,
+                self._models[writer].cache, entry.cache, alignment, h,
+            )
+        except KvlingoError as e:
+            return self._translation_failed(name, writer, lo, h, e, report)
+        n_native = sum(1 for i in native if i == NATIVE)
+        report.prefilled += n_native
+        self._count_translated(name, writer, lo, h, h - lo - n_native, report)
+        return h
+
+    def _count_translated(self, name, writer, lo, hi, n, report):
+        view = self._view_of[name]
+        report.translated += n
+        report.prefilled += hi - lo - n if self._view_of[writer] is view else 0
+        report.translated_from[writer] = report.translated_from.get(writer, 0) + n
+        view.translated[name] += n
+        view.processed[name] = hi
+
+    def _translation_failed(self, name, writer, lo, hi, error, report) -> int:
+        self._restore(name, lo)
+        report.warnings.append(
+            f"could not translate positions {lo}..{hi - 1} from {writer} ({error}); "
+            f"{name} prefilled them."
+        )
+        return lo
+
     def _restore(self, name: str, length: int):
         """Trim model ``name``'s cache back to ``length`` tokens (after a failure)."""
-        entry = self._models[name]
+        entry, view = self._models[name], self._view_of[name]
         extra = cache_length(entry.cache) - length
         if extra > 0 and not trim_prompt_cache(entry.cache, extra):
             entry.cache = make_prompt_cache(entry.model)
-            self.transcript.processed[name] = 0
-            self.transcript.translated[name] = 0
+            view.processed[name] = 0
+            view.translated[name] = 0
             self._catch_up(name, length, TurnReport(-1, name))
-        self.transcript.processed[name] = length
+        view.processed[name] = length
 
     def _settle(self, name: str):
         """End of a turn: finish pending (pipelined) work on the model's cache, so
@@ -586,59 +771,19 @@ class Session:
     def _sync(self, name: str):
         """Make the bookkeeping agree with the cache (which never holds more than
         the transcript)."""
+        view = self._view_of[name]
         length = cache_length(self._models[name].cache)
-        if length > len(self.transcript):
-            self._restore(name, len(self.transcript))
-            length = len(self.transcript)
-        self.transcript.processed[name] = length
+        if length > len(view):
+            self._restore(name, len(view))
+            length = len(view)
+        view.processed[name] = length
 
-    # -- rendering --------------------------------------------------------------
 
-    def _uses_template(self) -> bool:
-        tok = self._tokenizer()
-        has = bool(getattr(tok, "chat_template", None))
-        return has if self._use_template is None else (self._use_template and has)
-
-    def _render(self, messages: List[Message]) -> str:
-        if self._uses_template():
-            return self._tokenizer().apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        return "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant:"
-
-    def _render_piece(self, new_messages: List[Message]) -> List[int]:
-        """Tokens to append for ``new_messages`` and the generation prompt: the text
-        the template puts after the conversation so far.
-
-        The last message already in the transcript is rendered with a sentinel as
-        its content; everything after the sentinel is new (the closing of that
-        message, the new messages, the generation prompt). Templates that rewrite
-        earlier messages (e.g. strip reasoning) therefore cannot change tokens
-        already in the caches.
-        """
-        tok = self._tokenizer()
-        if not self.messages:
-            first = ([{"role": "system", "content": self.system_prompt}]
-                     if self.system_prompt else [])
-            text = self._render(first + new_messages)
-            new_messages[:0] = first
-            return tok.encode(text, add_special_tokens=not self._uses_template())
-        last = self.messages[-1]
-        marked = self.messages[:-1] + [dict(last, content=_SENTINEL)]
-        text = self._render(marked + new_messages)
-        i = text.rfind(_SENTINEL)
-        if i < 0:
-            raise KvlingoError(
-                "The chat template does not render the conversation's last message, so "
-                "the transcript cannot be extended incrementally."
-            )
-        text = text[i + len(_SENTINEL):]
-        if self._last_token_eos:
-            # The answer ended with an end-of-turn token the template writes itself.
-            eos = tok.decode(self.transcript.tokens[-1:])
-            if eos and text.startswith(eos):
-                text = text[len(eos):]
-        return tok.encode(text, add_special_tokens=False) if text else []
+def _eos_ids(tokenizer) -> set:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    return set(ids)
 
 
 def finish_thread():
@@ -667,96 +812,13 @@ def _as_messages(message: MessageInput) -> List[Message]:
     return out
 
 
-# ---------------------------------------------------------------------------
-# Translators for a session: load, or fit stage 1 once and keep it on disk
 
 
-def _weights_id(model: nn.Module) -> str:
-    """Identifies a model's weights cheaply: its weight files' names, sizes and
-    times when it was loaded from a directory, else a sample of its parameters."""
-    from mlx.utils import tree_flatten
+def __getattr__(name):
+    # Fitting and the built-in pair moved to builtin_pair.py (they train; a
+    # conversation does not): old imports keep working without importing fit here.
+    if name in ("builtin_session", "stage1_translator", "BUILTIN_NAMES"):
+        from . import builtin_pair
 
-    h = hashlib.sha256()
-    path = Path(model_name(model))
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if files:
-        for f in files:
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    else:
-        for k, v in tree_flatten(model.parameters()):
-            h.update(k.encode())
-            h.update(np.array(v.reshape(-1)[:256].astype(mx.float32)).tobytes())
-    return h.hexdigest()[:16]
-
-
-def stage1_translator(
-    source: nn.Module,
-    source_tokenizer,
-    target: nn.Module,
-    target_tokenizer,
-    cache_dir: Optional[Union[str, Path]] = None,
-    tokens: int = 10_000,
-    context_len: int = 256,
-    log: Optional[Callable[[str], None]] = None,
-) -> Translator:
-    """A stage-1 translator source -> target fitted on the standard library's
-    docstrings, kept in ``<cache_dir>/translators/`` and reused while both models'
-    weights and the settings stay the same."""
-    from .data import split_documents, stdlib_documents, token_windows
-    from .fit import fit_stage1
-    from .toy import default_cache_dir
-    from .translator import load_translator
-
-    if tokenizer_fingerprint(source_tokenizer) != tokenizer_fingerprint(target_tokenizer):
-        raise KvlingoError("Stage-1 fitting here needs models that share a tokenizer.")
-    key = hashlib.sha256(
-        f"{_weights_id(source)}:{_weights_id(target)}:{tokens}:{context_len}:1".encode()
-    ).hexdigest()[:16]
-    path = Path(cache_dir or default_cache_dir()) / "translators" / f"stage1-{key}.safetensors"
-    if path.is_file():
-        try:
-            return load_translator(path)
-        except KvlingoError:
-            pass  # damaged: fit again
-    log = log or (lambda s: None)
-    log(f"Fitting a stage-1 translator {model_name(source)} -> {model_name(target)} "
-        f"on {tokens} positions of stdlib docstrings (once; kept in {path.parent}) ...")
-    train_docs, _ = split_documents(stdlib_documents())
-    stream: List[int] = []
-    for _, text in train_docs:  # in name order; enough documents for `tokens` positions
-        stream.extend(source_tokenizer.encode(text + "\n\n", add_special_tokens=False))
-        if len(stream) >= 2 * tokens:
-            break
-    translator = Translator.for_models(source, target, source_tokenizer, target_tokenizer)
-    windows = max(tokens // context_len, 1)
-    fit_stage1(source, target, translator, token_windows(stream, context_len, 8, windows))
-    translator.spec.training["corpus"] = "stdlib"
-    translator.save(path)
-    return translator
-
-
-BUILTIN_NAMES = ("small", "large")
-
-
-def builtin_session(
-    cache_dir: Optional[Union[str, Path]] = None,
-    fit_tokens: int = 10_000,
-    log: Optional[Callable[[str], None]] = None,
-    **session_kwargs,
-) -> Session:
-    """A session with the built-in pair: "small" (the qwen3 source) and "large" (the
-    llama target), with stage-1 translators both ways (fitted once, cached)."""
-    from .models import load
-    from .toy import ensure_toy_pair
-
-    src_dir, tgt_dir = ensure_toy_pair(cache_dir, log=log)
-    small, small_tok = load(src_dir)
-    large, large_tok = load(tgt_dir)
-    session = Session({"small": (small, small_tok), "large": (large, large_tok)},
-                      **session_kwargs)
-    session.add_translator("small", "large", stage1_translator(
-        small, small_tok, large, large_tok, cache_dir, fit_tokens, log=log))
-    session.add_translator("large", "small", stage1_translator(
-        large, large_tok, small, small_tok, cache_dir, fit_tokens, log=log))
-    return session
+        return getattr(builtin_pair, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mlx_kvlingo.session import builtin_session
+from mlx_kvlingo.builtin_pair import builtin_session
 
 CLI = ("import mlx_kvlingo, typer; from mlx_kvlingo_cli.session_cmds import register; "
        "app = typer.Typer(add_completion=False); register(app); app()")
@@ -107,7 +107,7 @@ def test_chat_with_a_switch_through_a_terminal(kv_cache_dir, tmp_path):
         t.type("/stats\n")
         t.expect(r"turn model\s+context\s+translated\s+prefilled\s+generated")
         t.expect(r"\n\s+1 large\s+\d+\s+%d\s" % (first_turn - 1))
-        t.expect(rf"large: cache holds \d+ tokens, {first_turn - 1} of them translated")
+        t.expect(rf"large: cache holds \d+ of its \d+ tokens, {first_turn - 1} of them translated")
 
         t.expect(r"\[large\] you> ")
         t.type("/switch nobody\n")

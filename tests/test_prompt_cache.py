@@ -20,7 +20,7 @@ from mlx_kvlingo.prompt_cache import (
     convert_prompt_cache_file,
     native_dtype,
 )
-from mlx_kvlingo.session import stage1_translator
+from mlx_kvlingo.builtin_pair import stage1_translator
 from mlx_kvlingo.translator import Translator
 
 PROMPT = ("Return a new list containing all items from the iterable in ascending order. "
@@ -161,3 +161,42 @@ def test_convert_cache_refuses_bad_input(pair_translator, toy_pair_dirs, tmp_pat
     r = run_cli("convert-cache", other, *base[2:], "--prompt", PROMPT)
     assert r.exit_code == 1 and "Was it made by another model?" in r.output
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def twin_model_dir(model_dir, out):
+    """A copy of a model directory whose tokenizer splits text alike but differs
+    (an extra special token): a different tokenizer as far as translators go."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    shutil.copytree(model_dir, out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|extra|>", special=True)])
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_cross_tokenizer_conversion_through_exact_maps_continues_like_the_native_cache(
+        toy_pair_dirs, tmp_path):
+    from mlx_kvlingo.models import load
+
+    target = str(toy_pair_dirs[1])
+    twin = str(twin_model_dir(toy_pair_dirs[1], tmp_path / "twin"))
+    src, stok = load(target)
+    tgt, ttok = load(twin)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    assert t.cross_tokenizer
+    for m in t.k_maps + t.v_maps:
+        m.weight = mx.eye(m.weight.shape[0])
+    t.save(tmp_path / "cross.safetensors")
+    in_file, out_file, native = (tmp_path / f"{n}.safetensors" for n in ("in", "out", "native"))
+    cache_prompt(target, in_file)
+    cache_prompt(twin, native)
+    r = run_cli("convert-cache", in_file, "--translator", tmp_path / "cross.safetensors",
+                "--source", target, "--target", twin, "--out", out_file)
+    assert r.exit_code == 1 and "--prompt" in r.output
+    r = run_cli("convert-cache", in_file, "--translator", tmp_path / "cross.safetensors",
+                "--source", target, "--target", twin, "--out", out_file, "--prompt", PROMPT)
+    assert r.exit_code == 0, r.output
+    assert generate_text(twin, out_file) == generate_text(twin, native)

@@ -8,13 +8,8 @@ from mlx_lm.generate import stream_generate
 
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models import prefill
-from mlx_kvlingo.session import (
-    Session,
-    builtin_session,
-    finish_thread,
-    format_reports,
-    stage1_translator,
-)
+from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
+from mlx_kvlingo.session import Session, finish_thread, format_reports
 from mlx_kvlingo.translator import Translator
 
 
@@ -224,7 +219,7 @@ def test_read_turns_and_errors(target):
         s.read("a", [])
 
 
-def test_models_must_share_a_tokenizer(target, tmp_path):
+def test_a_model_with_a_new_tokenizer_joins_before_the_first_turn(target, tmp_path):
     from mlx_kvlingo.toy import build_tokenizer, load_tokenizer
 
     m, tok = target
@@ -232,8 +227,12 @@ def test_models_must_share_a_tokenizer(target, tmp_path):
     build_tokenizer(docs, tmp_path, vocab_size=300)
     other = load_tokenizer(tmp_path)
     s = Session({"a": (m, tok)})
-    with pytest.raises(KvlingoError, match="tokenizer"):
+    s.generate("a", "Sum.", max_tokens=2)
+    with pytest.raises(KvlingoError, match="tokenizer no model"):
         s.add_model("b", m, other)
+    s.reset()
+    s.add_model("b", m, other)
+    assert s.cross_tokenizer
 
 
 def test_multiturn_fidelity_is_exact_with_exact_translators(target):

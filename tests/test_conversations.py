@@ -1,0 +1,153 @@
+"""The conversation store and router behind `serve`, without sockets."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_kvlingo.conversations import (
+    AutoRoute,
+    ConversationStore,
+    TurnRequest,
+    UnknownModel,
+    common_prefix,
+)
+from mlx_kvlingo.engine import Engine, QueueFull
+from mlx_kvlingo.session import Session
+from mlx_kvlingo.translator import Translator
+
+
+def identity(model, tok):
+    t = Translator.for_models(model, model, tok, tok)
+    for m in t.k_maps + t.v_maps:
+        m.weight = mx.eye(m.weight.shape[0])
+    return t
+
+
+@pytest.fixture(scope="module")
+def base(toy_pair):
+    """One model under two names with exact translators: any route gives the
+    answers a native prefill gives, so conversations can be compared exactly."""
+    m, tok = toy_pair[2], toy_pair[3]
+    return Session({"a": (m, tok), "b": (m, tok)},
+                   {("a", "b"): identity(m, tok), ("b", "a"): identity(m, tok)})
+
+
+def run(store, model, messages, **kw):
+    events = list(store.run(TurnRequest(model=model, messages=messages, **kw)))
+    assert events[0][0] == "start" and events[-1][0] == "done"
+    text = "".join(v for k, v in events if k == "delta")
+    return text, events[-1][1]
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def test_requests_extend_a_conversation_and_a_switch_translates(base):
+    store = ConversationStore(base)
+    msgs = [{"role": "system", "content": "Answer in Python."}, user("Sum a list.")]
+    text, s1 = run(store, "a", msgs, max_tokens=6)
+    assert s1.translated_tokens == 0 and s1.cached_tokens == 0 and s1.generated_tokens == 6
+    msgs += [{"role": "assistant", "content": text}, user("Now open a file.")]
+    text2, s2 = run(store, "b", msgs, max_tokens=6)
+    assert s2.conversation == s1.conversation and len(store) == 1
+    # b had nothing cached: what a wrote arrives translated, not re-prefilled.
+    assert s2.translated_tokens > 0 and s2.cached_tokens == 0
+    assert s2.prefilled_tokens < s2.context_tokens - s2.translated_tokens + 2
+    msgs += [{"role": "assistant", "content": text2}, user("Close it.")]
+    _, s3 = run(store, "a", msgs, max_tokens=4)
+    assert s3.cached_tokens == s1.context_tokens + 6 or s3.cached_tokens == s1.context_tokens + 5
+    assert s3.usage()["prompt_tokens_details"]["cached_tokens"] == s3.cached_tokens
+    assert s3.translated_tokens > 0
+    # Same answers as one fresh conversation answering the same list natively.
+    fresh = ConversationStore(base)
+    assert run(fresh, "b", msgs[:4] + [user("Now open a file.")], max_tokens=6)[0] == text2
+
+
+def test_regenerate_and_edit_truncate(base):
+    store = ConversationStore(base)
+    msgs = [user("Return the sum of the items.")]
+    text, s1 = run(store, "a", msgs, max_tokens=6)
+    again, s2 = run(store, "b", msgs, max_tokens=6)  # regenerate, with the other model
+    assert s2.conversation == s1.conversation and s2.truncated_messages == 1
+    assert again == text  # exact translators: same greedy answer
+    assert s2.translated_tokens > 0  # b read the question translated from a's cache
+    msgs2 = msgs + [{"role": "assistant", "content": again}, user("Open a file.")]
+    run(store, "a", msgs2, max_tokens=4)
+    edited = msgs + [{"role": "assistant", "content": again}, user("Close a file.")]
+    _, s4 = run(store, "a", edited, max_tokens=4)
+    assert s4.truncated_messages == 2 and s4.conversation == s1.conversation
+    assert store.conversation_messages(s1.conversation)[-2] == user("Close a file.")
+
+
+def test_lru_by_count_and_bytes(base):
+    store = ConversationStore(base, max_conversations=2)
+    ids = [run(store, "a", [user(q)], max_tokens=2)[1].conversation
+           for q in ("One.", "Two.", "Three.")]
+    assert len(store) == 2 and store.evicted == 1
+    # The first conversation is gone: its messages start a new one.
+    assert run(store, "a", [user("One.")], max_tokens=2)[1].conversation not in ids
+    tiny = ConversationStore(base, max_bytes=1)
+    for q in ("One.", "Two."):
+        run(tiny, "a", [user(q)], max_tokens=2)
+    assert len(tiny) == 1  # over the byte budget, only the current one stays
+
+
+def test_auto_routes_on_the_small_models_uncertainty(base):
+    calm = ConversationStore(base, auto=AutoRoute("a", "b", probe_tokens=4, max_entropy=1e9))
+    text, s = run(calm, "auto", [user("Sum a list.")], max_tokens=6)
+    assert s.model == "a" and s.route["escalated"] is False and s.route["probe_tokens"] == 4
+    assert s.route["entropy"] > 0 and s.generated_tokens == 6
+    eager = ConversationStore(base, auto=AutoRoute("a", "b", probe_tokens=4, max_entropy=-1))
+    text2, s2 = run(eager, "auto", [user("Sum a list.")], max_tokens=6)
+    assert s2.model == "b" and s2.route["escalated"] is True
+    assert s2.translated_tokens > 0  # b read the question translated from a's probe turn
+    assert text2 == text  # exact translators: the same answer, from the other model
+    assert eager.conversation_messages(s2.conversation)[-1]["content"] == text2
+
+
+def test_stop_strings_unknown_models_and_cancel(base):
+    store = ConversationStore(base)
+    full, _ = run(store, "a", [user("Sum a list.")], max_tokens=8)
+    stop = full[3:5]
+    text, s = run(ConversationStore(base), "a", [user("Sum a list.")], max_tokens=8, stop=[stop])
+    assert text == full[:full.find(stop)] and s.finish_reason == "stop"
+    with pytest.raises(UnknownModel):
+        list(store.run(TurnRequest(model="../../etc/passwd", messages=[user("x")])))
+    calls = iter(range(100))
+    events = list(store.run(TurnRequest(model="b", messages=[user("Open.")], max_tokens=50),
+                            cancelled=lambda: next(calls) >= 2))
+    assert events[-1][1].finish_reason == "cancelled" and events[-1][1].generated_tokens <= 4
+    assert common_prefix([user("a"), user("b")], [user("a "), user("c")]) == 1
+
+
+def test_engine_queue_bound_cancel_and_errors():
+    import threading
+
+    release = threading.Event()
+    engine = Engine(max_queue=1)
+
+    def blocker(cancelled):
+        release.wait(10)
+        yield "done"
+
+    def failing(cancelled):
+        raise ValueError("boom")
+        yield
+
+    first = engine.submit(blocker)
+    while engine.running is None:
+        pass
+    waiting = engine.submit(failing)
+    with pytest.raises(QueueFull):
+        engine.submit(blocker)
+    release.set()
+    assert list(first) == ["done"]
+    with pytest.raises(ValueError, match="boom"):
+        list(waiting)
+    job = engine.submit(lambda cancelled: iter(range(10**6)))
+    it = iter(job)
+    next(it)
+    job.cancel()
+    assert job.finished.wait(5)
+    engine.close()
+    assert engine.cancelled == 1

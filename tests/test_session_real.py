@@ -1,0 +1,57 @@
+"""A conversation between the real models (SmolLM2 <-> Gemma 3: different tokenizers)."""
+
+import pytest
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def real_session_parts(tmp_path_factory):
+    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.builtin_pair import stage1_translator
+    from mlx_kvlingo.models import load
+
+    smol, stok = load(pretrained.fetch("smollm2", log=None))
+    gemma, gtok = load(pretrained.fetch("gemma3", log=None))
+    cache = tmp_path_factory.getbasetemp() / "real-translators"
+    # Small quick fits (16 samples of 192 tokens each way): enough to beat no context.
+    s2g = stage1_translator(smol, stok, gemma, gtok, cache, tokens=3072, context_len=192)
+    g2s = stage1_translator(gemma, gtok, smol, stok, cache, tokens=3072, context_len=192)
+    return {"smol": (smol, stok), "gemma": (gemma, gtok)}, {("smol", "gemma"): s2g,
+                                                            ("gemma", "smol"): g2s}
+
+
+def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
+    from mlx_kvlingo.session import Session
+
+    models, translators = real_session_parts
+    (_, stok), (_, gtok) = models["smol"], models["gemma"]
+    assert stok.has_chat_template and not gtok.chat_template  # Gemma 3 270M is a base model
+    s = Session(models, translators)
+    r0 = s.generate("smol", "What does the zip function do in Python?", max_tokens=12)
+    r1 = s.generate("gemma", "Give an example.", max_tokens=8)
+    r2 = s.generate("smol", "Thanks. And enumerate?", max_tokens=6)
+    smol_view, gemma_view = s.transcript_of("smol"), s.transcript_of("gemma")
+    # SmolLM2 reads its ChatML rendering; Gemma the plain format after its BOS.
+    assert stok.decode(smol_view.tokens[:r2.context_tokens]) == stok.apply_chat_template(
+        s.messages[:5], tokenize=False, add_generation_prompt=True)
+    assert gemma_view.tokens[0] == gtok.bos_token_id
+    assert gtok.decode(gemma_view.tokens[1:r1.context_tokens]) == (
+        f"user: What does the zip function do in Python?\n\nassistant:{r0.text}\n\n"
+        "user: Give an example.\n\nassistant:")
+    for r in (r1, r2):
+        assert r.translated > 10 and not r.warnings and r.generated > 0
+    assert not r0.translated
+
+
+def test_real_pair_multiturn_beats_no_context(real_session_parts):
+    from mlx_kvlingo import data
+    from mlx_kvlingo.multiturn import multiturn_fidelity, text_conversations
+
+    models, translators = real_session_parts
+    _, heldout = data.split_documents(data.stdlib_documents())
+    convs = text_conversations([t for _, t in heldout], turns=4, segment_chars=160, count=2)
+    res = multiturn_fidelity(models, translators, convs)
+    for start, rows in res.items():
+        print(start, [(r.turn, r.model, round(r.cbr, 2)) for r in rows])
+        assert sum(r.nll_session for r in rows) < sum(r.nll_none for r in rows), start
