@@ -14,6 +14,7 @@ import typer
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo_cli.common import fail as _fail
 from mlx_kvlingo_cli.common import run as _run
+from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
 app = typer.Typer(
     help="Translate KV caches between mlx-lm models, so a conversation can switch "
@@ -43,20 +44,21 @@ def inspect(
 
     typer.echo(f"platform      {platform.system()} {platform.machine()}")
     typer.echo(f"mlx           {mx.__version__}, default device {mx.default_device()}")
-    typer.echo(f"BLAS preload  {blas.preload_status}")
+    typer.echo(f"BLAS preload  {blas.preload_status}  ({blas.CHOICE_ENV}={blas.choice()})")
     libs = blas.blas_libraries()
     if libs:
         typer.echo("BLAS mapped   " + "\n              ".join(libs))
     mlx_rate, np_rate = blas.measure_gemm_gflops(gemm_size)
     typer.echo(
         f"fp32 GEMM     mlx {mlx_rate:.1f} GFLOP/s, numpy {np_rate:.1f} GFLOP/s "
-        f"(mlx/numpy {mlx_rate / np_rate:.2f}) at {gemm_size}x{gemm_size}"
+        f"(mlx/numpy {mlx_rate / np_rate:.2f}) at {gemm_size}x{gemm_size}, best of 5"
     )
-    if platform.system() == "Linux" and mlx_rate < np_rate / 2:
+    if platform.system() == "Linux" and (
+        blas.preload_failed() or mlx_rate < blas.SLOW_RATIO * np_rate
+    ):
         typer.secho(
-            "warning: MLX's CPU matmuls run at less than half numpy's rate; install "
-            "OpenBLAS (apt-get install libopenblas0-pthread) and import mlx_kvlingo "
-            "before mlx.core.",
+            f"warning: MLX's CPU matmuls are slow here. Fix: {blas.FIX}; then import "
+            "mlx_kvlingo before mlx.core.",
             fg="yellow",
         )
     if model:
@@ -162,6 +164,7 @@ def fit(
     """Stage 1: fit a translator in closed form and write it to OUT."""
 
     def go():
+        _warn_if_slow_blas()
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         translator, report = fit_translator_cli(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
@@ -239,6 +242,7 @@ def train(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        _warn_if_slow_blas()
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
         config = RunConfig(
@@ -299,6 +303,7 @@ def eval_cmd(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        _warn_if_slow_blas()
         lengths = _int_list(context_lengths)
         translators = [load_translator(p) for p in translator]
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
@@ -443,6 +448,7 @@ def switch_cmd(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
         text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
@@ -492,6 +498,7 @@ def demo(
     from mlx_kvlingo.models import load
 
     def go():
+        _warn_if_slow_blas()
         src_dir, tgt_dir = toy.ensure_toy_pair(cache_dir, log=typer.echo)
         src, src_tok = load(src_dir)
         tgt, tgt_tok = load(tgt_dir)
