@@ -481,56 +481,6 @@ def switch_cmd(
     _run(go)
 
 
-# ---------------------------------------------------------------------------
-# demo
-
-
-@app.command()
-def demo(
-    context: int = typer.Option(256, help="Context length for the switch (the built-in pair was trained on 256)."),
-    fit_tokens: int = typer.Option(50_000, help="Positions for the stage-1 fit."),
-    repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
-    cache_dir: Optional[Path] = typer.Option(None, help="Where the demo pair is kept."),
-):
-    """Offline end to end on the built-in pair: fit, evaluate, switch vs re-prefill."""
-    from mlx_kvlingo import toy
-    from mlx_kvlingo.evaluate import format_table
-    from mlx_kvlingo.models import load
-
-    def go():
-        _warn_if_slow_blas()
-        src_dir, tgt_dir = toy.ensure_toy_pair(cache_dir, log=typer.echo)
-        src, src_tok = load(src_dir)
-        tgt, tgt_tok = load(tgt_dir)
-        typer.echo(f"Source: {src_dir} ({src.model_type}, {len(src.layers)} layers); "
-                   f"target: {tgt_dir} ({tgt.model_type}, {len(tgt.layers)} layers)")
-        translator, report = fit_translator_cli(
-            src, src_tok, tgt, tgt_tok, "stdlib", fit_tokens, 256, 8, 1e-3, 1, 1
-        )
-        r = report.to_dict()
-        typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: "
-                   f"mean R² keys {r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
-        pair = _pair_data("stdlib", src_tok, tgt_tok)
-        fidelity = pair.evaluate(src, tgt, [translator], pair.heldout(256, 64, 32), 256)[0]
-        heldout = pair.heldout_stream
-        typer.echo("\nFidelity on held-out docstrings (target's continuation, per token):")
-        typer.echo(format_table([fidelity]))
-        tokens = heldout[:context]
-        res = run_switch(src, src_tok, tgt, tgt_tok, translator, tokens, 16, True, repeats)
-        typer.echo(
-            f"\nSwitch of a {res['context_tokens']}-token context, median of {repeats}: "
-            f"translate + first token {res['switch_ttft_s'] * 1e3:.1f} ms "
-            f"(translate {res['translate_s'] * 1e3:.1f} ms) vs re-prefill "
-            f"{res['prefill_ttft_s'] * 1e3:.1f} ms: {res['ratio']:.1f}x faster"
-        )
-        typer.echo(f"Greedy answers agree on {res['agreeing_prefix']} of "
-                   f"{len(res['switch_tokens'])} tokens:")
-        typer.echo(f"  after switch:     {res['switch_answer']!r}")
-        typer.echo(f"  after re-prefill: {res['prefill_answer']!r}")
-
-    _run(go)
-
-
 @app.command()
 def push(
     translator: Path = typer.Argument(..., help="Translator file to upload."),
@@ -548,6 +498,10 @@ def push(
 
     _run(go)
 
+
+from mlx_kvlingo_cli.demo_cmd import register as _register_demo  # noqa: E402
+
+_register_demo(app)
 
 from mlx_kvlingo_cli.fetch_cmd import register as _register_fetch  # noqa: E402
 
