@@ -108,7 +108,8 @@ def demo_builtin(windows, context, max_tokens, repeats, fit_tokens, cache_dir):
     tgt, ttok = load(tgt_dir)
     typer.echo(f"Built-in pair, one {toy.VOCAB_SIZE}-token tokenizer: source {_describe(src)}; "
                f"target {_describe(tgt)}.")
-    pair = toy.toy_pair_data(stok)
+    corpus = toy.toy_corpus()
+    pair = toy.toy_pair_data(stok, corpus)
     named = [("stage 1 (fitted now)", _fit_builtin(src, stok, tgt, ttok, pair, fit_tokens))]
     if toy.STAGE2_TRANSLATOR.exists():
         named.append(("stage 2 (shipped)", load_translator(toy.STAGE2_TRANSLATOR)))
@@ -116,18 +117,15 @@ def demo_builtin(windows, context, max_tokens, repeats, fit_tokens, cache_dir):
                   f"{windows} held-out windows of documents where passages and names recur")
     # A context cut from the start of one held-out document: its continuation
     # repeats passages the context holds.
-    tokens = _document_start(stok, context)
-    show_switch(src, stok, tgt, ttok, named[-1], tokens, max_tokens, repeats,
-                truth=ttok.decode(_document_start(stok, context + max_tokens)[context:]))
+    ids = _document_start(stok, corpus[1], context + max_tokens)
+    show_switch(src, stok, tgt, ttok, named[-1], ids[:context], max_tokens, repeats,
+                truth=ttok.decode(ids[context:]))
 
 
-def _document_start(tokenizer, length: int):
-    from mlx_kvlingo import toy
-
-    _, heldout = toy.toy_corpus()
-    for _, text in heldout:
+def _document_start(tokenizer, docs, length: int):
+    for _, text in docs:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) >= length + 64:
+        if len(ids) >= length:
             return ids[:length]
     raise KvlingoError("No held-out document is long enough for the demo's context.")
 
