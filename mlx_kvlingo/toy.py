@@ -391,7 +391,9 @@ def distill_translator(source, target, translator, pair, steps: int, lr: float =
         DistillConfig(steps=steps, lr=lr, batch_size=batch_size, accumulate=1, seed=seed),
         context_lengths=(context_len,),
     )
-    distiller = Distiller(translator, target, config.distill)
+    # The Distiller trains full maps in place: work on a copy, so that the caller
+    # keeps its stage-1 translator to compare against.
+    distiller = Distiller(_copy(translator), target, config.distill)
     t0 = time.perf_counter()
     while distiller.step < steps:
         batches = pair.step_batches(source, target, distiller.base, config, distiller.step)
@@ -402,3 +404,14 @@ def distill_translator(source, target, translator, pair, steps: int, lr: float =
     out.spec.training = dict(translator.spec.training, stage=2, distill=dict(
         steps=steps, lr=lr, batch_size=batch_size, context_len=context_len, seed=seed))
     return out
+
+
+def _copy(translator):
+    import tempfile
+
+    from .translator import load_translator
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "copy.safetensors"
+        translator.save(path)
+        return load_translator(path)
