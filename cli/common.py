@@ -19,3 +19,14 @@ def run(fn):
         fail(str(e))
     except OSError as e:
         fail(f"{type(e).__name__}: {e}")
+
+
+def warn_if_slow_blas():
+    """At the start of a command that does heavy work: one line on stderr when MLX's
+    CPU matmuls are slow here (no fast BLAS loaded, or GEMM far below numpy's),
+    naming the fix. Silent on macOS and when BLAS is fast."""
+    from mlx_kvlingo import blas
+
+    message = blas.slow_blas_warning()
+    if message:
+        typer.secho(message, fg="yellow", err=True)

@@ -14,6 +14,7 @@ import typer
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo_cli.common import fail as _fail
 from mlx_kvlingo_cli.common import run as _run
+from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
 app = typer.Typer(
     help="Translate KV caches between mlx-lm models, so a conversation can switch "
@@ -43,20 +44,21 @@ def inspect(
 
     typer.echo(f"platform      {platform.system()} {platform.machine()}")
     typer.echo(f"mlx           {mx.__version__}, default device {mx.default_device()}")
-    typer.echo(f"BLAS preload  {blas.preload_status}")
+    typer.echo(f"BLAS preload  {blas.preload_status}  ({blas.CHOICE_ENV}={blas.choice()})")
     libs = blas.blas_libraries()
     if libs:
         typer.echo("BLAS mapped   " + "\n              ".join(libs))
     mlx_rate, np_rate = blas.measure_gemm_gflops(gemm_size)
     typer.echo(
         f"fp32 GEMM     mlx {mlx_rate:.1f} GFLOP/s, numpy {np_rate:.1f} GFLOP/s "
-        f"(mlx/numpy {mlx_rate / np_rate:.2f}) at {gemm_size}x{gemm_size}"
+        f"(mlx/numpy {mlx_rate / np_rate:.2f}) at {gemm_size}x{gemm_size}, best of 5"
     )
-    if platform.system() == "Linux" and mlx_rate < np_rate / 2:
+    if platform.system() == "Linux" and (
+        blas.preload_failed() or mlx_rate < blas.SLOW_RATIO * np_rate
+    ):
         typer.secho(
-            "warning: MLX's CPU matmuls run at less than half numpy's rate; install "
-            "OpenBLAS (apt-get install libopenblas0-pthread) and import mlx_kvlingo "
-            "before mlx.core.",
+            f"warning: MLX's CPU matmuls are slow here. Fix: {blas.FIX}; then import "
+            "mlx_kvlingo before mlx.core.",
             fg="yellow",
         )
     if model:
@@ -219,6 +221,7 @@ def fit(
     """Stage 1: fit a translator in closed form and write it to OUT."""
 
     def go():
+        _warn_if_slow_blas()
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         translator, report = fit_translator_cli(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
@@ -354,6 +357,7 @@ def train(
     def go():
         t_start = time.perf_counter()
         budget_s = _duration(budget) if budget else None
+        _warn_if_slow_blas()
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
         config = RunConfig(
@@ -427,6 +431,7 @@ def eval_cmd(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        _warn_if_slow_blas()
         lengths = _int_list(context_lengths)
         translators = [load_translator(p) for p in translator]
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
@@ -594,6 +599,7 @@ def switch_cmd(
     from mlx_kvlingo.translator import load_translator
 
     def go():
+        _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
         text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
@@ -626,55 +632,6 @@ def switch_cmd(
     _run(go)
 
 
-# ---------------------------------------------------------------------------
-# demo
-
-
-@app.command()
-def demo(
-    context: int = typer.Option(256, help="Context length for the switch (the built-in pair was trained on 256)."),
-    fit_tokens: int = typer.Option(50_000, help="Positions for the stage-1 fit."),
-    repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
-    cache_dir: Optional[Path] = typer.Option(None, help="Where the demo pair is kept."),
-):
-    """Offline end to end on the built-in pair: fit, evaluate, switch vs re-prefill."""
-    from mlx_kvlingo import toy
-    from mlx_kvlingo.evaluate import format_table
-    from mlx_kvlingo.models import load
-
-    def go():
-        src_dir, tgt_dir = toy.ensure_toy_pair(cache_dir, log=typer.echo)
-        src, src_tok = load(src_dir)
-        tgt, tgt_tok = load(tgt_dir)
-        typer.echo(f"Source: {src_dir} ({src.model_type}, {len(src.layers)} layers); "
-                   f"target: {tgt_dir} ({tgt.model_type}, {len(tgt.layers)} layers)")
-        translator, report = fit_translator_cli(
-            src, src_tok, tgt, tgt_tok, "stdlib", fit_tokens, 256, 8, 1e-3, 1, 1
-        )
-        r = report.to_dict()
-        typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: "
-                   f"mean R² keys {r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
-        pair = _pair_data("stdlib", src_tok, tgt_tok)
-        fidelity = pair.evaluate(src, tgt, [translator], pair.heldout(256, 64, 32), 256)[0]
-        heldout = pair.heldout_stream
-        typer.echo("\nFidelity on held-out docstrings (target's continuation, per token):")
-        typer.echo(format_table([fidelity]))
-        tokens = heldout[:context]
-        res = run_switch(src, src_tok, tgt, tgt_tok, translator, tokens, 16, True, repeats)
-        typer.echo(
-            f"\nSwitch of a {res['context_tokens']}-token context, median of {repeats}: "
-            f"translate + first token {res['switch_ttft_s'] * 1e3:.1f} ms "
-            f"(translate {res['translate_s'] * 1e3:.1f} ms) vs re-prefill "
-            f"{res['prefill_ttft_s'] * 1e3:.1f} ms: {res['ratio']:.1f}x faster"
-        )
-        typer.echo(f"Greedy answers agree on {res['agreeing_prefix']} of "
-                   f"{len(res['switch_tokens'])} tokens:")
-        typer.echo(f"  after switch:     {res['switch_answer']!r}")
-        typer.echo(f"  after re-prefill: {res['prefill_answer']!r}")
-
-    _run(go)
-
-
 @app.command()
 def push(
     translator: Path = typer.Argument(..., help="Translator file to upload."),
@@ -692,6 +649,10 @@ def push(
 
     _run(go)
 
+
+from mlx_kvlingo_cli.demo_cmd import register as _register_demo  # noqa: E402
+
+_register_demo(app)
 
 from mlx_kvlingo_cli.fetch_cmd import register as _register_fetch  # noqa: E402
 

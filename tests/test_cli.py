@@ -98,11 +98,3 @@ def test_fit_with_a_missing_model_fails_clearly(tmp_path):
     assert proc.returncode == 1
     assert "Could not load model" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
-
-
-@pytest.mark.slow
-def test_demo_runs_offline_and_prints_the_ratio():
-    proc = run_cli("demo", "--context", "256", "--fit-tokens", "8000", "--repeats", "1")
-    out = proc.stdout
-    assert re.search(r"re-prefill [\d.]+ ms: [\d.]+x faster", out)
-    assert "Fidelity on held-out" in out and "KL" in out

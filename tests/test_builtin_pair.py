@@ -1,0 +1,103 @@
+"""Recurring documents, CBR intervals, and the bar for the built-in pair (issue 12):
+its target gains >= 1 nat/token from context, and stage 2 beats stage 1 on CBR."""
+
+import pytest
+
+from mlx_kvlingo.evaluate import Fidelity
+
+from mlx_kvlingo import toy
+from mlx_kvlingo.bootstrap import benefit_interval, cbr_interval, paired_cbr_difference
+from mlx_kvlingo.bootstrap import per_window_fidelity
+from mlx_kvlingo.data import split_documents, stdlib_documents
+
+
+def test_recurring_documents_repeat_passages_and_rename_consistently():
+    docs = [("m.py", "First sentence about parsers here. " * 3 + "\n\n" +
+             "Another sentence about tokenizers and their options. " * 3 + "\n\n" +
+             "A third sentence on streams and buffers and readers. " * 3 + "\n\n" +
+             "The fourth one mentions handlers and callbacks everywhere. " * 3)]
+    out = toy.recurring_documents(docs, seed=1, passages_per_doc=4, occurrences=10)
+    assert len(out) == 1
+    passages = out[0][1].split("\n\n")
+    assert len(passages) == 10 and len(set(passages)) == 4  # every passage recurs
+    assert all(a != b for a, b in zip(passages, passages[1:]))  # never twice in a row
+    # Same seed, same documents: the held-out set is reproducible.
+    assert toy.recurring_documents(docs, seed=1, passages_per_doc=4, occurrences=10) == out
+
+
+def test_heldout_documents_come_from_heldout_sources_only():
+    train, heldout = split_documents(stdlib_documents())
+    names = lambda docs: {n.split("#")[0] for n, _ in docs}  # noqa: E731
+    rec_train, rec_heldout = toy.toy_corpus()
+    assert names(rec_heldout) <= names(heldout)
+    assert not names(rec_heldout) & names(train)
+    assert names(rec_train) <= names(train)
+
+
+def _row(native, translated, none, tokens=64):
+    return Fidelity(256, tokens, native, translated, none, 0.0, 0.0, 1.0)
+
+
+def test_cbr_interval_pools_windows_as_a_ratio_of_sums():
+    rows = [_row(1.0, 1.5, 3.0), _row(2.0, 2.0, 2.5), _row(0.5, 1.0, 4.0)]
+    ci = cbr_interval(rows)
+    assert ci.value == pytest.approx((1.5 + 0.5 + 3.0) / (2.0 + 0.5 + 3.5))
+    assert ci.low <= ci.value <= ci.high
+    b = benefit_interval(rows)
+    assert b.value == pytest.approx((2.0 + 0.5 + 3.5) / 3)
+
+
+def test_paired_difference_sees_a_small_consistent_gain_that_unpaired_spread_hides():
+    import random
+
+    rng = random.Random(0)
+    a, b = [], []
+    for _ in range(48):  # windows differ a lot; b is better by ~3 points on each
+        none, native = 4.0, 4.0 - rng.uniform(0.5, 3.0)
+        lost = (none - native) * rng.uniform(0.2, 0.6)
+        a.append(_row(native, native + lost, none))
+        b.append(_row(native, native + lost - 0.03 * (none - native), none))
+    diff = paired_cbr_difference(a, b)
+    assert diff.value == pytest.approx(0.03, abs=1e-9)
+    assert diff.low > 0  # paired: significant
+    ca, cb = cbr_interval(a), cbr_interval(b)
+    assert cb.low < ca.high  # unpaired intervals overlap
+    assert paired_cbr_difference(b, a).high < 0
+
+
+# The bar of issue 12, not met yet: the shipped pair's target gains ~0.1 nats/token
+# from context, and two retraining recipes tried (see toy.build_toy_pair) did not
+# teach the models to copy within the CPU budget. Run with --runxfail once a pair
+# that uses its context ships; strict, so a pass then is noticed.
+NOT_YET = pytest.mark.xfail(
+    run=False, strict=True,
+    reason="built-in pair not yet retrained to use its context (issue 12)")
+
+
+@pytest.fixture(scope="module")
+def measured(toy_pair):
+    """Stage 1 fitted here, a short stage 2 from it, both scored on the same 48
+    held-out windows (256-token context)."""
+    src, stok, tgt, ttok = toy_pair
+    pair = toy.toy_pair_data(stok)
+    stage1, _ = toy.fit_translator(src, stok, tgt, ttok, pair, tokens=16_000)
+    stage2 = toy.distill_translator(src, tgt, stage1, pair, steps=20)
+    items = pair.heldout(256, 64, 48)
+    return per_window_fidelity(pair, src, tgt, [stage1, stage2], items, 256)
+
+
+@NOT_YET
+@pytest.mark.slow
+def test_target_gains_a_nat_per_token_from_its_context(measured):
+    benefit = benefit_interval(measured[0])
+    assert benefit.low >= 1.0, benefit  # the old pair gained 0.09
+
+
+@NOT_YET
+@pytest.mark.slow
+def test_stage2_beats_stage1_on_cbr_paired(measured):
+    stage1, stage2 = measured
+    assert len(stage1) == len(stage2) == 48
+    assert cbr_interval(stage1).value > 0.3  # stage 1 already keeps a real share
+    diff = paired_cbr_difference(stage1, stage2)
+    assert diff.low > 0, diff  # the whole 95 % interval above zero
