@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
 
 from mlx_kvlingo import data
 from mlx_kvlingo.bench import environment

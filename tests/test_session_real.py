@@ -2,21 +2,20 @@
 
 import pytest
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+pytestmark = pytest.mark.network
 
 
 @pytest.fixture(scope="module")
-def real_session_parts(tmp_path_factory):
-    from mlx_kvlingo import pretrained
-    from mlx_kvlingo.builtin_pair import stage1_translator
+def real_session_parts():
+    """The two real models and the translators shipped for them (no fitting here)."""
     from mlx_kvlingo.models import load
+    from mlx_kvlingo.shipped import shipped_translator
+    from mlx_kvlingo.translator import load_translator
 
-    smol, stok = load(pretrained.fetch("smollm2", log=None))
-    gemma, gtok = load(pretrained.fetch("gemma3", log=None))
-    cache = tmp_path_factory.getbasetemp() / "real-translators"
-    # Small quick fits (16 samples of 192 tokens each way): enough to beat no context.
-    s2g = stage1_translator(smol, stok, gemma, gtok, cache, tokens=3072, context_len=192)
-    g2s = stage1_translator(gemma, gtok, smol, stok, cache, tokens=3072, context_len=192)
+    smol, stok = load("smollm2")
+    gemma, gtok = load("gemma3")
+    s2g = load_translator(shipped_translator("smollm2", "gemma3"))
+    g2s = load_translator(shipped_translator("gemma3", "smollm2"))
     return {"smol": (smol, stok), "gemma": (gemma, gtok)}, {("smol", "gemma"): s2g,
                                                             ("gemma", "smol"): g2s}
 
