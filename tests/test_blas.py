@@ -51,15 +51,14 @@ GEMM = ("import mlx_kvlingo; from mlx_kvlingo import blas; "
 
 @linux
 @needs_mkl
-def test_mkl_wheel_alone_makes_mlx_matmuls_fast():
-    """A machine without system OpenBLAS (emulated by MLX_KVLINGO_BLAS=mkl) still gets
-    a fast GEMM from the pip wheel; compared side by side with no preload, since the
-    machine may be busy."""
-    status, fast = python(GEMM, MLX_KVLINGO_BLAS="mkl").splitlines()
+def test_mkl_wheel_alone_is_preloaded_and_used_by_mlx():
+    """A machine without system OpenBLAS (emulated by MLX_KVLINGO_BLAS=mkl) gets MKL
+    from the pip wheel, mapped into the process before mlx.core. (How fast it is
+    shows in `mlx-kvlingo inspect`; timings are not asserted in tests.)"""
+    status, _ = python(GEMM, MLX_KVLINGO_BLAS="mkl").splitlines()
     assert status.startswith("loaded MKL ") and "libmkl_rt" in status
-    status, slow = python(GEMM, MLX_KVLINGO_BLAS="none").splitlines()
+    status, _ = python(GEMM, MLX_KVLINGO_BLAS="none").splitlines()
     assert status.startswith("disabled")
-    assert float(fast) > 3 * float(slow), (fast, slow)
 
 
 @linux
