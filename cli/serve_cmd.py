@@ -204,27 +204,34 @@ class Handler(BaseHTTPRequestHandler):
                                    type_="authentication_error", code="invalid_api_key")
             fn()
         except RequestError as e:
-            self._discard_body()
+            if not self._discard_body():
+                # The body's end is unknown: say so, or a client that reuses the
+                # connection sends its next request into a socket we are closing.
+                self.close_connection = True
+                e.headers = {**(e.headers or {}), "Connection": "close"}
             self._error(e)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
-    def _discard_body(self):
+    def _discard_body(self) -> bool:
         """Read and drop an unread request body (up to a bound) before answering an
         error: closing a socket with unread data resets the connection, and the
-        client would see no answer. Then close: the stream position is unknown."""
-        self.close_connection = True
+        client would see no answer. True when the connection is at the start of the
+        next request again (it can be kept alive)."""
         if self._body_read:
-            return
+            return True
         length = self.headers.get("Content-Length", "")
-        left = int(length) if length.isdigit() else 0
+        if self.headers.get("Transfer-Encoding") or (length and not length.isdigit()):
+            return False
+        left = int(length or 0)
         if left > _DRAIN_LIMIT:
-            return
+            return False
         while left > 0:
             got = self.rfile.read(min(left, 1 << 16))
             if not got:
-                break
+                return False
             left -= len(got)
+        return True
 
     def do_GET(self):
         self._guard(self._get)

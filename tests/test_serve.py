@@ -139,6 +139,29 @@ def test_error_shapes_and_auth(serve):
         make_server(srv.store, host="0.0.0.0", port=0)
 
 
+def test_an_error_keeps_the_connection_when_its_body_was_read(serve):
+    """A client reuses the connection after an error reply (the openai client's pool
+    does): the server must either answer the next request on it or say
+    `Connection: close` with the error, never close silently."""
+    srv = serve(max_body=2048)
+    conn = http.client.HTTPConnection(*srv.server.server_address[:2])
+    auth = {"Authorization": "Bearer none", "Content-Type": "application/json"}
+    for body in (b"{not json", b'{"model": "nope", "messages": []}', b"x" * 4000):
+        conn.request("POST", "/v1/chat/completions", body=body, headers=auth)
+        reply = conn.getresponse()
+        reply.read()
+        assert reply.status in (400, 404, 413) and reply.getheader("Connection") is None
+    conn.request("GET", "/v1/models", headers=auth)
+    assert conn.getresponse().status == 200  # the same socket still answers
+
+    # A chunked body is not drained: the error says the connection closes.
+    conn = http.client.HTTPConnection(*srv.server.server_address[:2])
+    conn.request("POST", "/v1/chat/completions", body=iter([b"{}"]),
+                 headers={**auth, "Transfer-Encoding": "chunked"})
+    reply = conn.getresponse()
+    assert reply.status == 411 and reply.getheader("Connection") == "close"
+
+
 def test_queue_overflow_is_503_with_retry_after(serve):
     srv = serve(max_queue=1)
     release = threading.Event()
