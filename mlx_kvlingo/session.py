@@ -89,6 +89,7 @@ class TurnReport:
     warnings: List[str] = field(default_factory=list)
     gate: Optional[dict] = None  # the quality gate's numbers and decision (gate.py)
     fallback: Optional[str] = None  # why translated positions were recomputed natively
+    native_tail: int = 0  # last catch-up positions computed natively over the translation
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -596,29 +597,45 @@ class Session:
                 v.message_ends.append(len(v))
 
     def _catch_up_gated(self, name: str, end: int, report: TurnReport):
-        """:meth:`_catch_up`, judged by the quality gate when it translates: the last
-        ``gate.tokens`` positions are computed natively and scored, and on a bad
-        score everything this turn translated is re-prefilled instead."""
+        """:meth:`_catch_up`, with the translators' native tail and the quality gate.
+
+        When the catch-up translates, its last ``m`` positions are computed by the
+        model itself on top of the translated cache instead (m = the largest
+        ``native_tail`` of the translators involved, at least the gate's tokens):
+        the most attended recent positions become exact. The gate then scores its
+        last ``gate.tokens`` of them, and on a bad score everything this turn
+        translated is re-prefilled instead."""
         view, entry = self._view_of[name], self._models[name]
         start = view.processed[name]
-        m = min(self.gate.tokens, end - start) if self.gate is not None else 0
-        if m < 2 or not any(
-            s.writer not in (None, name) and (s.writer, name) in self._translators
-            for s in view.pending(name, end - m)
-        ):
+        pending = [self._translators[s.writer, name] for s in view.pending(name, end)
+                   if s.writer not in (None, name) and (s.writer, name) in self._translators]
+        g = self.gate.tokens if self.gate is not None else 0
+        m = min(max([g] + [t.spec.native_tail for t in pending]), end - start)
+        g = min(g, m)
+        if m < 1 or not pending:
             self._catch_up(name, end, report)
             return
         self._catch_up(name, end - m, report)
         if not report.translated:
             self._catch_up(name, end, report)
             return
+        report.native_tail = m
+        if g < 2:  # no gate (a 1-token gate cannot score): the whole tail is prefilled
+            g = 0
+        if g < m:  # the part of the tail the gate does not score
+            prefill(entry.model, mx.array(view.tokens[end - m:end - g]), entry.cache)
+            mx.eval([(c.keys, c.values) for c in entry.cache])
+            view.processed[name] = end - g
+            report.prefilled += m - g
+        if not g:
+            return
         from .transcript import leading_specials
 
         translators = [self._translators[w, name] for w in report.translated_from]
-        decision = self.gate.judge(entry.model, entry.cache, view.tokens[end - m:end],
+        decision = self.gate.judge(entry.model, entry.cache, view.tokens[end - g:end],
                                    view.tokens[:leading_specials(view)], translators)
         view.processed[name] = end
-        report.prefilled += m
+        report.prefilled += g
         report.gate = decision.to_dict()
         if decision.fallback:
             self._fallback(name, start, end, decision.reason, report)

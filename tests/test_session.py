@@ -296,3 +296,26 @@ def test_a_model_can_continue_when_the_template_adds_nothing(toy_pair_dirs):
         assert r.new_tokens == 0 and r.context_tokens == before
         assert s.tokens[before:] == native_greedy(m, tok, s.tokens[:before], 4)
         assert s.transcript.processed[name] == len(s.transcript)
+
+
+def test_the_translators_native_tail_is_computed_by_the_reader(target):
+    """A translator's ``native_tail`` m: the last m positions a switch would
+    translate are prefilled by the reader instead (exact, whatever the maps)."""
+    m, tok = target
+    zero = identity(m, tok)
+    for w in zero.k_maps + zero.v_maps:
+        w.weight = mx.zeros_like(w.weight)  # a translation that carries nothing
+    zero.spec.native_tail = 4
+    s = Session({"a": (m, tok), "b": (m, tok)}, {("a", "b"): zero})
+    r0 = s.generate("a", QUESTIONS[0], max_tokens=5)
+    before = len(s.tokens)
+    r1 = s.generate("b", QUESTIONS[1], max_tokens=2)
+    assert r1.native_tail == 4 and r1.translated == before - 1 - 4
+    assert r1.prefilled == 1 + 4 + r1.new_tokens
+    # Layer 0 depends only on each token and its position: the tail's keys equal a
+    # native prefill's, the translated positions before it hold the zero maps' output.
+    native = prefill(m, mx.array(s.tokens[:before])[None])
+    got, want = s.cache("b")[0].keys[..., :before, :], native[0].keys[..., :before, :]
+    assert mx.allclose(got[..., -4:, :], want[..., -4:, :], atol=1e-4)
+    assert mx.abs(got[..., 1:before - 4, :]).max().item() == 0.0
+    assert r0.native_tail == 0

@@ -27,8 +27,8 @@ def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
     (_, stok), (_, gtok) = models["smol"], models["gemma"]
     assert stok.has_chat_template and not gtok.chat_template  # Gemma 3 270M is a base model
     s = Session(models, translators)
-    r0 = s.generate("smol", "What does the zip function do in Python?", max_tokens=12)
-    r1 = s.generate("gemma", "Give an example.", max_tokens=8)
+    r0 = s.generate("smol", "What does the zip function do in Python?", max_tokens=24)
+    r1 = s.generate("gemma", "Give an example.", max_tokens=24)
     r2 = s.generate("smol", "Thanks. And enumerate?", max_tokens=6)
     smol_view, gemma_view = s.transcript_of("smol"), s.transcript_of("gemma")
     # SmolLM2 reads its ChatML rendering; Gemma the plain format after its BOS.
@@ -39,7 +39,9 @@ def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
         f"user: What does the zip function do in Python?\n\nassistant:{r0.text}\n\n"
         "user: Give an example.\n\nassistant:")
     for r in (r1, r2):
-        assert r.translated > 10 and not r.warnings and r.generated > 0
+        # The shipped translators keep their last 16 positions native (native_tail).
+        assert r.translated > 10 and r.native_tail == 16
+        assert not r.warnings and r.generated > 0
     assert not r0.translated
 
 
