@@ -130,6 +130,7 @@ def fit_translator_cli(
     the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
     """
     from mlx_kvlingo import data
+    from mlx_kvlingo.evaluate import evaluate_pair
     from mlx_kvlingo.fit import fit_features, fit_selected, fit_stage1
     from mlx_kvlingo.models import token_features
     from mlx_kvlingo.samples import SharedTokens
@@ -154,7 +155,7 @@ def fit_translator_cli(
     def choose(candidates):
         """Index of the candidate with the lowest KL on a few held-out windows."""
         items = pair.heldout(min(context_len, 512), 48, 8)
-        rows = pair.evaluate(src, tgt, candidates, items, min(context_len, 512))
+        rows = evaluate_pair(pair, src, tgt, candidates, items, min(context_len, 512))
         for t, r in zip(candidates, rows):
             typer.echo(f"  {t.spec.training['sources_per_layer']} source layers per map: "
                        f"held-out KL {r.kl:.4f}, CBR {r.cbr:.1%}")
@@ -427,7 +428,7 @@ def eval_cmd(
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length."""
-    from mlx_kvlingo.evaluate import format_table
+    from mlx_kvlingo.evaluate import evaluate_pair, format_table
     from mlx_kvlingo.translator import load_translator
 
     def go():
@@ -445,7 +446,7 @@ def eval_cmd(
         rows = [[] for _ in translators for _ in tails]
         for c in lengths:
             items = pair.heldout(c, continuation_len, windows)
-            for r, f in zip(rows, pair.evaluate(src, tgt, translators, items, c, tails)):
+            for r, f in zip(rows, evaluate_pair(pair, src, tgt, translators, items, c, tails)):
                 r.append(f)
         entries = []
         for i, r in enumerate(rows):

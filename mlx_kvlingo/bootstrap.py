@@ -13,7 +13,7 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .evaluate import Fidelity
+from .evaluate import Fidelity, evaluate_pair
 
 RESAMPLES = 2000
 
@@ -41,7 +41,7 @@ def per_window_fidelity(pair, source, target, translators, items, context_len: i
     a time with the pair's own ``evaluate``."""
     rows = [[] for _ in translators]
     for item in _single_windows(items):
-        for r, f in zip(rows, pair.evaluate(source, target, translators, [item], context_len)):
+        for r, f in zip(rows, evaluate_pair(pair, source, target, translators, [item], context_len)):
             r.append(f)
     return rows
 

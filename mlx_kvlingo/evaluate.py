@@ -318,6 +318,17 @@ def evaluate_aligned(
     return [t.result(context_len) for t in totals]
 
 
+def evaluate_pair(pair, source, target, translators, items, context_len: int,
+                  native_tails: Sequence[int] = (0,)) -> List[Fidelity]:
+    """Score translators on what ``pair.heldout`` returned: windows of shared
+    token ids (:class:`~mlx_kvlingo.samples.SharedTokens`) or aligned samples
+    (:class:`~mlx_kvlingo.samples.AlignedText`, different tokenizers)."""
+    from .samples import AlignedText
+
+    score = evaluate_aligned if isinstance(pair, AlignedText) else evaluate_translators
+    return score(source, target, translators, items, context_len, native_tails)
+
+
 def format_table(rows: List[Fidelity]) -> str:
     """A plain-text table of fidelity rows, with a note where CBR is not meaningful."""
     head = (

@@ -22,7 +22,6 @@ import mlx.core as mx
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from .distill import Batch, make_batch, make_batch_from_features, native_prefix_kv
 from .errors import KvlingoError
-from .evaluate import Fidelity, evaluate_aligned, evaluate_translators
 from .models import token_features
 
 
@@ -69,10 +68,6 @@ class SharedTokens:
             self.heldout_stream, context_len + continuation_len, count, random.Random(12345)
         )
         return [w[i : i + 8] for i in range(0, count, 8)]
-
-    def evaluate(self, source, target, translators, items, context_len: int,
-                 native_tails=(0,)) -> List[Fidelity]:
-        return evaluate_translators(source, target, translators, items, context_len, native_tails)
 
 
 # ---------------------------------------------------------------------------
@@ -138,10 +133,6 @@ class AlignedText:
         rng = random.Random(12345)
         return [self.sample(self.heldout_text, context_len, continuation_len, rng)
                 for _ in range(count)]
-
-    def evaluate(self, source, target, translators, items, context_len: int,
-                 native_tails=(0,)) -> List[Fidelity]:
-        return evaluate_aligned(source, target, translators, items, context_len, native_tails)
 
     def fit_features(self, source, target, translator, count: int, context_len: int, seed=0,
                      layers=None):

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .distill import DistillConfig, Distiller
 from .errors import KvlingoError
-from .evaluate import Fidelity
+from .evaluate import Fidelity, evaluate_pair
 from .translator import Translator, TranslatorSpec
 
 CHECKPOINT_VERSION = 1
@@ -217,7 +217,7 @@ def train(
 
     def evaluate() -> Fidelity:
         translators = [distiller.translator()]
-        return pair_data.evaluate(source, target, translators, eval_items, eval_context)[0]
+        return evaluate_pair(pair_data, source, target, translators, eval_items, eval_context)[0]
 
     stopped = False
     last_eval = None

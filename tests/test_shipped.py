@@ -30,13 +30,14 @@ def test_shipped_translator_fits_its_models_and_beats_no_context(models, source,
 
     # On a few held-out prose windows it keeps a good part of the context's value,
     # with and without its native tail.
+    from mlx_kvlingo.evaluate import evaluate_pair
     from mlx_kvlingo.samples import AlignedText
 
     _, heldout = data.split_documents(data.read_corpus("austen"))
     text = "\n\n".join(x for _, x in heldout)
     pair = AlignedText(stok, ttok, text, text)
     items = pair.heldout(256, 32, 3)
-    plain, tail = pair.evaluate(src, tgt, [t], items, 256, native_tails=(0, 16))
+    plain, tail = evaluate_pair(pair, src, tgt, [t], items, 256, native_tails=(0, 16))
     assert plain.context_benefit > 0.5
     assert plain.kl < 0.7 * plain.kl_none and plain.cbr > 0.3
     assert tail.cbr > 0.3
