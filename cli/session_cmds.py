@@ -99,6 +99,7 @@ def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, syst
         else:
             src, tgt = _match_translator(t, session, file)
         session.add_translator(src, tgt, t)
+    _add_shipped_translators(session, paths)
     if fit_missing:
         for s in session.model_names:
             for t in session.model_names:
@@ -107,6 +108,21 @@ def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, syst
                         session.model(s), session.tokenizer_of(s), session.model(t),
                         session.tokenizer_of(t), cache_dir, fit_tokens, log=typer.echo))
     return session
+
+
+def _add_shipped_translators(session, paths):
+    """Directions still without a translator between models named by a short name
+    the package ships translators for (``--model smol=smollm2 --model gemma=gemma3``)
+    use the shipped ones."""
+    from mlx_kvlingo.shipped import load_shipped
+
+    for s, src in paths.items():
+        for t, tgt in paths.items():
+            if s != t and not session.has_translator(s, t):
+                shipped = load_shipped(str(src), str(tgt))
+                if shipped is not None:
+                    typer.echo(f"Using the shipped translator {src} -> {tgt} for {s} -> {t}.")
+                    session.add_translator(s, t, shipped)
 
 
 def _describe(session) -> str:

@@ -21,3 +21,12 @@ def shipped_translator(source: str, target: str) -> Optional[Path]:
     name = SHIPPED.get((str(source), str(target)))
     path = ASSETS / name if name else None
     return path if path is not None and path.is_file() else None
+
+
+def load_shipped(source: str, target: str):
+    """The shipped translator for a pair of short model names, loaded (None if the
+    package ships none for it)."""
+    from .translator import load_translator
+
+    path = shipped_translator(source, target)
+    return load_translator(path) if path is not None else None

@@ -56,3 +56,14 @@ def test_real_pair_multiturn_beats_no_context(real_session_parts):
     for start, rows in res.items():
         print(start, [(r.turn, r.model, round(r.cbr, 2)) for r in rows])
         assert sum(r.nll_session for r in rows) < sum(r.nll_none for r in rows), start
+
+
+def test_chat_and_serve_use_the_shipped_translators_for_the_short_names():
+    from mlx_kvlingo_cli.session_cmds import _build_session
+
+    session = _build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
+    assert session.has_translator("smol", "gemma") and session.has_translator("gemma", "smol")
+    assert session.translator("smol", "gemma").cross_tokenizer
+    r = session.generate("smol", "Name a fruit.", max_tokens=4)
+    r = session.generate("gemma", "Another one?", max_tokens=4)
+    assert r.translated > 0 and not r.warnings
