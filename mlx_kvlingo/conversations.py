@@ -76,6 +76,7 @@ class TurnStats:
     cached_tokens: int = 0  # of them, already in the model's own cache
     translated_tokens: int = 0
     prefilled_tokens: int = 0
+    native_tail: int = 0  # of the prefilled: the last context positions computed over the translation
     generated_tokens: int = 0
     translate_ms: float = 0.0
     ttft_ms: Optional[float] = None
@@ -264,6 +265,7 @@ class ConversationStore:
         stats.cached_tokens = route.get("cached", 0)
         stats.translated_tokens = report.translated
         stats.prefilled_tokens = report.prefilled
+        stats.native_tail = report.native_tail
         stats.generated_tokens = report.generated
         stats.translate_ms = round(report.translate_s * 1e3, 2)
         stats.fallback = report.fallback

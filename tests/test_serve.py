@@ -261,3 +261,19 @@ def test_a_stream_that_fails_mid_way_ends_with_an_error_event(serve):
         for chunk in stream:
             got.append(chunk.choices[0].delta.content)
     assert got == ["", "Hel"]
+
+
+def test_the_openai_client_example_runs_against_the_server(serve):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    srv = serve()
+    example = Path(__file__).resolve().parents[1] / "examples" / "openai_client.py"
+    out = subprocess.run([sys.executable, str(example), "--base-url", srv.url + "/v1",
+                          "--max-tokens", "6"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    turns = [line for line in out.stdout.splitlines() if line.startswith("  -> ")]
+    assert len(turns) == 4 and turns[0].startswith("  -> small") and "large" in turns[1]
+    # From the second turn on, the model taking it translates what the other wrote.
+    assert all(" 0 translated" not in t for t in turns[1:]), turns
