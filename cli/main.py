@@ -504,31 +504,50 @@ def _first_token_time(responses):
     return first, toks, text
 
 
-def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1):
+def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
+               gate=None):
     """Switch a context from src to tgt and generate; optionally re-prefill too.
 
-    ``context``: token ids (shared tokenizer) or text (any pair). Returns a dict of
-    timings (medians over ``repeats``) and the answers.
+    ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
+    QualityGate judging the switch (its native tail, at least ``gate.tokens``).
+    Returns a dict of timings (medians over ``repeats``) and the answers.
     """
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
     from mlx_kvlingo.align import align_text
     from mlx_kvlingo.models import prefill
+    from mlx_kvlingo.gate import judge_switch
     from mlx_kvlingo.switch import generate_after_switch, switch, switch_text
 
+    tail = translator.spec.native_tail if gate is None else max(
+        gate.tokens, translator.spec.native_tail)
     if translator.cross_tokenizer:
         a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix)
         source_tokens, target_tokens = a.source_tokens, a.target_tokens
 
-        def do_switch(source_cache):
-            return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache)
+        def translate(source_cache):
+            return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
+                               native_tail=tail)
     else:
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens
 
-        def do_switch(source_cache):
-            return switch(src, tgt, translator, tokens, source_cache=source_cache)
+        def translate(source_cache):
+            return switch(src, tgt, translator, tokens, source_cache=source_cache,
+                          native_tail=tail)
+
+    bos = getattr(tgt_tok, "bos_token_id", None)
+    specials = target_tokens[:1] if bos is not None and target_tokens[0] == bos else []
+    decisions = []
+
+    def do_switch(source_cache):
+        result = translate(source_cache)
+        if gate is None:
+            return result
+        result, decision = judge_switch(tgt, result, target_tokens, gate, specials, [translator])
+        decisions.append(decision)
+        return result
 
     # The source has read the context during its turn: its cache is given, not timed.
     source_cache = prefill(src, mx.array(source_tokens)[None])
@@ -553,6 +572,8 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
         "switch_answer": sw_text,
         "switch_tokens": sw_tokens,
     }
+    if decisions and decisions[-1] is not None:
+        out["gate"] = decisions[-1].to_dict()
     if compare:
         out.update(
             prefill_ttft_s=statistics.median(prefill_times),
@@ -595,6 +616,12 @@ def switch_cmd(
     max_tokens: int = typer.Option(64),
     raw: bool = typer.Option(False, help="Do not apply the chat template."),
     compare: bool = typer.Option(False, help="Also re-prefill the target and compare."),
+    gate: bool = typer.Option(False, help="Quality gate: the target scores the context's "
+                              "last tokens on the translated cache and re-prefills when the "
+                              "translation is predicted bad."),
+    gate_threshold: Optional[float] = typer.Option(
+        None, help="Gate threshold (nats/token over the no-context NLL; default: the "
+        "translator's recorded one, else 0)."),
 ):
     """The source reads the prompt, its cache is translated, the target answers."""
     from mlx_kvlingo.translator import load_translator
@@ -618,7 +645,17 @@ def switch_cmd(
             context = _prompt_tokens(src_tok, text, raw)
             if len(context) < 2:
                 raise KvlingoError("The prompt must be at least 2 tokens long.")
-        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare)
+        judge = None
+        if gate:
+            from mlx_kvlingo.gate import QualityGate
+
+            judge = QualityGate(threshold=gate_threshold)
+        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge)
+        if "gate" in r:
+            g = r["gate"]
+            typer.echo(f"--- gate: score {g['score']:+.3f} nats (threshold {g['threshold']:+.3f}) "
+                       f"on {g['tokens']} tokens: " + (g["reason"] and "re-prefilled: "
+                       + g["reason"] or "translation kept"))
         typer.echo(f"--- target after switch ({r['context_tokens']} context tokens) ---")
         typer.echo(r["switch_answer"])
         typer.echo(f"--- time to first token after switch: {r['switch_ttft_s'] * 1e3:.1f} ms "

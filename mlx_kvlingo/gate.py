@@ -130,24 +130,37 @@ def switch_with_gate(source: nn.Module, target: nn.Module, translator, tokens,
     """:func:`~mlx_kvlingo.switch.switch` for models that share a tokenizer, judged by
     ``gate``: the context's last ``gate.tokens`` tokens before the final one are
     computed by the target itself and scored; on a bad score the target prefills
-    the whole context instead. Returns (SwitchResult, GateDecision)."""
-    from .models import prefill
-    from .switch import SwitchResult, _as_batch, translate_cache
+    the whole context instead. Returns (SwitchResult, GateDecision or None)."""
+    from .switch import _as_batch, switch
 
     gate = gate or QualityGate()
     tokens = _as_batch(tokens)
-    n = tokens.shape[1] - 1  # the cache holds tokens[:n]; tokens[n] is the first input
-    m = min(gate.tokens, n - max(translator.spec.native_prefix, 1))
-    if source_cache is None:
-        source_cache = prefill(source, tokens[:, :n])
+    m = min(gate.tokens, tokens.shape[1] - 1 - max(translator.spec.native_prefix, 1))
+    result = switch(source, target, translator, tokens, source_cache, native_tail=max(m, 0))
+    return judge_switch(target, result, tokens[0].tolist(), gate, specials, [translator])
+
+
+def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
+                 gate: Optional[QualityGate] = None, specials: Sequence[int] = (),
+                 translators: Sequence = ()):
+    """Judge a switch (:class:`~mlx_kvlingo.switch.SwitchResult`, any pair) before
+    the target answers on it: its pending native tail (all but the last token) is
+    computed on the translated cache and scored; on a bad score the target
+    prefills ``context_tokens`` (its own tokens of the whole context) instead.
+    Returns (the result to decode from, GateDecision or None when the tail is too
+    short to score). Either way the result's pending is the last token only."""
+    from .models import prefill
+    from .switch import SwitchResult
+
+    gate = gate or QualityGate()
+    tail = result.pending[:-1].tolist()
+    if len(tail) < 2:
+        return result, None
     t0 = time.perf_counter()
-    ids = tokens[0].tolist()
-    if m < 2:
-        cache = translate_cache(source, target, translator, source_cache, tokens, n)
-        return SwitchResult(cache, tokens[0, -1:], time.perf_counter() - t0), None
-    cache = translate_cache(source, target, translator, source_cache, tokens, n - m)
-    decision = gate.judge(target, cache, ids[n - m:n], specials, [translator])
+    decision = gate.judge(target, result.cache, tail, specials, translators)
+    cache = result.cache
     if decision.fallback:
-        cache = prefill(target, tokens[:, :n])
+        cache = prefill(target, mx.array(list(context_tokens[:-1]))[None])
         mx.eval([(c.keys, c.values) for c in cache])
-    return SwitchResult(cache, tokens[0, -1:], time.perf_counter() - t0), decision
+    spent = time.perf_counter() - t0
+    return SwitchResult(cache, result.pending[-1:], result.translate_s + spent), decision

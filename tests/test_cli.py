@@ -72,6 +72,23 @@ def test_switch_compare_reports_both_times(fitted_translator, toy_pair_dirs):
     assert re.search(r"switch is [\d.]+x faster", out)
 
 
+def test_switch_gate_keeps_or_replaces_the_translation(fitted_translator, toy_pair_dirs):
+    src, tgt = toy_pair_dirs
+    prompt = ("Return a new list containing all items from the iterable in ascending "
+              "order, and close the file when done.")
+    outs = {}
+    for threshold in ("100", "-100"):  # never fires / always fires
+        outs[threshold] = run_cli(
+            "switch", "--source", src, "--target", tgt, "--translator", fitted_translator,
+            "--prompt", prompt, "--max-tokens", "8", "--compare", "--gate",
+            "--gate-threshold", threshold).stdout
+    assert re.search(r"gate: score [-+][\d.]+ nats .* on 7 tokens: translation kept", outs["100"])
+    fired = outs["-100"]
+    assert "re-prefilled: gate: the translated context predicts" in fired
+    # After the fallback the target decodes from a native cache: the re-prefill's answer.
+    assert re.search(r"answers agree on the first (\d+) of \1 tokens", fired)
+
+
 def test_switch_refuses_a_translator_for_other_models(fitted_translator, toy_pair_dirs):
     src, tgt = toy_pair_dirs
     # Swapped roles: geometry differs, so the translator must be refused.
