@@ -19,6 +19,7 @@ import os
 import queue
 import select
 import socket
+import sys
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -164,6 +165,13 @@ class ChatServer(ThreadingHTTPServer):
         self.shutdown()
         self.server_close()
         self.engine.close()
+
+    def handle_error(self, request, client_address):
+        """A client that drops a kept-alive connection is normal, not an error
+        worth a traceback (socketserver prints one for every exception)."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -277,3 +277,21 @@ def test_the_openai_client_example_runs_against_the_server(serve):
     assert len(turns) == 4 and turns[0].startswith("  -> small") and "large" in turns[1]
     # From the second turn on, the model taking it translates what the other wrote.
     assert all(" 0 translated" not in t for t in turns[1:]), turns
+
+
+def test_a_client_resetting_a_kept_alive_connection_prints_no_traceback(serve, capfd):
+    import socket
+    import struct
+
+    srv = serve()
+    sock = socket.create_connection(srv.server.server_address[:2])
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    # Close with a reset (linger 0) while the server waits for the next request.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    time.sleep(0.5)
+    conn = http.client.HTTPConnection(*srv.server.server_address[:2])
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    assert "Traceback" not in capfd.readouterr().err
