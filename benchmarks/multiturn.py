@@ -118,6 +118,9 @@ def main(argv=None):
     p.add_argument("--gate-fire-rate", type=float, default=0.2)
     p.add_argument("--calibration", type=int, default=0,
                    help="extra held-out conversations to calibrate the gate on")
+    p.add_argument("--native-tail", type=int, default=None,
+                   help="positions before each turn the reader computes over the translation "
+                   "(default: each translator's own, e.g. 16 for the shipped ones)")
     p.add_argument("--cache-dir", type=Path, default=None)
     args = p.parse_args(argv)
     if args.gate and not args.calibration:
@@ -125,6 +128,11 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     models, translators, convs, title = (real_setup if args.pair == "real" else builtin_setup)(args)
+    if args.native_tail is not None:
+        for t in translators.values():
+            t.spec.native_tail = args.native_tail
+    tails = sorted({t.spec.native_tail for t in translators.values()})
+    title += f", native tail {'/'.join(map(str, tails))}"
     calib, convs = convs[args.conversations:], convs[:args.conversations]
     if not convs:
         raise SystemExit("No held-out document is long enough; lower the segment size or turns.")
@@ -137,6 +145,7 @@ def main(argv=None):
         "benchmark": "multiturn", "pair": args.pair, "turns": args.turns,
         "segment": {unit: size}, "conversations": len(convs),
         "translators": {f"{s}->{t}": tr.spec.training for (s, t), tr in translators.items()},
+        "native_tail": {f"{s}->{t}": tr.spec.native_tail for (s, t), tr in translators.items()},
         "environment": environment(),
         "results": {start: [r.to_dict() for r in rows] for start, rows in results.items()},
     }

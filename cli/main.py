@@ -589,12 +589,14 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
 
 
 def _translator_for(source: str, target: str, given: Optional[Path]):
-    """The translator a command was given, or the one shipped for the pair."""
-    from mlx_kvlingo.shipped import SHIPPED, shipped_translator
+    """The translator a command was given, or the one shipped for the pair (with
+    its calibrated gate threshold), loaded."""
+    from mlx_kvlingo.shipped import SHIPPED, load_shipped
+    from mlx_kvlingo.translator import load_translator
 
     if given is not None:
-        return given
-    shipped = shipped_translator(source, target)
+        return load_translator(given)
+    shipped = load_shipped(source, target)
     if shipped is None:
         pairs = ", ".join(f"--source {s} --target {t}" for s, t in SHIPPED)
         raise KvlingoError(
@@ -624,14 +626,13 @@ def switch_cmd(
         "translator's recorded one, else 0)."),
 ):
     """The source reads the prompt, its cache is translated, the target answers."""
-    from mlx_kvlingo.translator import load_translator
 
     def go():
         _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
         text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-        t = load_translator(_translator_for(source, target, translator))
+        t = _translator_for(source, target, translator)
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         t.check_models(src, tgt, src_tok, tgt_tok)
         if t.cross_tokenizer:

@@ -145,7 +145,8 @@ def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
                  translators: Sequence = ()):
     """Judge a switch (:class:`~mlx_kvlingo.switch.SwitchResult`, any pair) before
     the target answers on it: its pending native tail (all but the last token) is
-    computed on the translated cache and scored; on a bad score the target
+    computed on the translated cache, and its last ``gate.tokens`` scored (as a
+    Session does, so one calibration serves both); on a bad score the target
     prefills ``context_tokens`` (its own tokens of the whole context) instead.
     Returns (the result to decode from, GateDecision or None when the tail is too
     short to score). Either way the result's pending is the last token only."""
@@ -157,6 +158,9 @@ def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
     if len(tail) < 2:
         return result, None
     t0 = time.perf_counter()
+    if len(tail) > gate.tokens:  # the part of the tail the gate does not score
+        prefill(target, mx.array(tail[:-gate.tokens])[None], result.cache)
+        tail = tail[-gate.tokens:]
     decision = gate.judge(target, result.cache, tail, specials, translators)
     cache = result.cache
     if decision.fallback:

@@ -41,3 +41,20 @@ def test_shipped_translator_fits_its_models_and_beats_no_context(models, source,
     assert plain.context_benefit > 0.5
     assert plain.kl < 0.7 * plain.kl_none and plain.cbr > 0.3
     assert tail.cbr > 0.3
+
+
+def test_switch_uses_the_shipped_translator_and_its_calibrated_gate():
+    import subprocess
+    import sys
+
+    from mlx_kvlingo.shipped import GATE_THRESHOLD
+
+    text = " ".join(x for _, x in data.split_documents(data.read_corpus("austen"))[1])[:1500]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvlingo_cli.main", "switch", "--source", "smollm2",
+         "--target", "gemma3", "--prompt", text, "--max-tokens", "4", "--gate"],
+        capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                          "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"(threshold {GATE_THRESHOLD:+.3f}) on 7 tokens" in proc.stdout
+    assert "time to first token after switch" in proc.stdout
