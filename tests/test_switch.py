@@ -297,3 +297,28 @@ def test_switch_runs_on_worker_threads():
         th.start()
         th.join()
         assert out.pop("diff") < 1e-6
+
+
+def test_a_switch_holds_at_most_two_layers_of_intermediates():
+    """Peak memory of a switch: the target cache it builds plus about two layers'
+    source features and map outputs, however many layers the model has (the
+    layer loop must not queue every layer's work at once)."""
+    from mlx_kvlingo.switch import switch
+
+    from tiny import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=16, hidden_size=256, num_attention_heads=8,
+                       num_key_value_heads=8, intermediate_size=256)
+    t = Translator.for_models(model, model)
+    tokens = mx.random.randint(0, 97, (1, 1024))
+    source_cache = prefill(model, tokens[:, :-1])
+    mx.eval([(c.keys, c.values) for c in source_cache])
+    switch(model, model, t, tokens, source_cache=source_cache)  # warm-up: kernels, tables
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = switch(model, model, t, tokens, source_cache=source_cache)
+    extra = mx.get_peak_memory() - active
+    cache = sum(c.keys.nbytes + c.values.nbytes for c in result.cache)
+    # One layer: K and V source features and K and V map outputs, float32.
+    layer = 4 * 1024 * (2 * t.k_maps[0].weight.shape[1] + 2 * t.k_maps[0].weight.shape[0])
+    assert extra <= cache + 2 * layer, (extra - cache) / layer
