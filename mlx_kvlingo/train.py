@@ -262,7 +262,9 @@ def train(
             ):
                 loss, applied = distiller.train_step(batches, positions)
             t2 = time.perf_counter()
-            tokens = sum(b.tokens for b in batches)  # this rank's share
+            tokens = sum(b.tokens for b in batches)
+            if group is not None:  # the whole step's: its micro-batches are equally long
+                tokens = tokens * pair_data.micro_batches(config) // len(batches)
             record = {
                 "step": distiller.step,
                 "loss": loss,

@@ -1,0 +1,141 @@
+"""Data-parallel training under `mlx.launch -n 2 --backend ring` on loopback.
+
+Two processes must give what one process gives over the same samples: the same
+stage-1 maps (summed moments, one solve) and the same stage-2 steps (gradients
+averaged over the global batch). A rank killed mid-run must end the run with a
+clear message and a checkpoint that still resumes.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TESTS = Path(__file__).parent
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed"),
+]
+
+WORKER = textwrap.dedent('''
+    """Alone (a world of one) or under mlx.launch: fit and/or train tiny maps and
+    save what this rank holds."""
+    import os, sys
+    sys.path.insert(0, sys.argv[1])  # tests/, for tiny
+    import mlx_kvlingo  # noqa: F401  (fast BLAS first)
+    import numpy as np
+    from mlx_kvlingo import data, distributed
+    from mlx_kvlingo.distill import DistillConfig, Distiller
+    from mlx_kvlingo.fit import fit_selected, fit_stage1
+    from mlx_kvlingo.models import token_features
+    from mlx_kvlingo.samples import SharedTokens
+    from mlx_kvlingo.train import RunConfig
+    from mlx_kvlingo.translator import Translator
+    from tiny import tiny_model
+
+    mode, out = sys.argv[2], sys.argv[3]
+    g = distributed.group()
+    src, tgt = tiny_model("qwen3", seed=1), tiny_model("llama", seed=2)
+    stream = np.random.default_rng(0).integers(0, 97, 4000).tolist()
+    # 11 windows in batches of 2: 6 batches, the last of one window (unequal shares).
+    windows = lambda: distributed.shard_iter(data.token_windows(stream, 32, 2, 11), g)
+    maps = lambda t: {f"m{i}": np.array(m.weight) for i, m in enumerate(t.k_maps + t.v_maps)}
+    t = Translator.for_models(src, tgt)
+    report = fit_stage1(src, tgt, t, windows(), group=g)
+    result = {"tokens": np.array(report.tokens)}
+    if mode == "fit":
+        result.update(maps(t))
+
+        def every_layer():  # the all-layer Gram of source-layer selection
+            for w in windows():
+                sk, sv, _ = token_features(src, w, list(range(4)))
+                tk, tv, _ = token_features(tgt, w)
+                yield sk, sv, tk, tv
+
+        sel, _, _ = fit_selected(t, every_layer(), [2], skip=1, group=g)
+        result.update({f"sel_{k}": v for k, v in maps(sel).items()})
+        result["sel_layers"] = np.array(sel.spec.layer_map)
+    else:
+        # 4 micro-batches of 2 windows: 2 per rank; the native tail on odd ones.
+        d = DistillConfig(steps=2, lr=1e-3, batch_size=2, accumulate=4, seed=3, native_tail=2)
+        config = RunConfig(d, context_lengths=(16, 24), continuation_len=8, eval_every=0)
+        pair = SharedTokens(stream, stream)
+        result.update({f"fit_{k}": v for k, v in maps(t).items()})  # before the steps
+        distiller = Distiller(t, tgt, d, g)
+        positions = None
+        if g is not None:
+            positions = distributed.micro_batch_positions(pair.micro_batches(config), g)
+        losses = []
+        for step in range(2):
+            batches = pair.step_batches(src, tgt, t, config, step, g)
+            losses.append(distiller.train_step(batches, positions)[0])
+        result.update(maps(distiller.translator()))
+        result["losses"] = np.array(losses)
+    name = f"{mode}-{distributed.size(g)}-rank{distributed.rank(g)}.npz"
+    np.savez(os.path.join(out, name), **result)
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args, n=2):
+    """The mlx.launch command line for ``n`` ranks on loopback (ring backend) on a
+    free port, so parallel test runs do not collide on the default one."""
+    return [str(LAUNCH), "-n", str(n), "--backend", "ring", "-p", str(_free_port()),
+            "--python", sys.executable, *map(str, args)]
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", OPENBLAS_NUM_THREADS="1")
+
+
+def _worker(tmp_path, mode, ranks):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    args = [script, TESTS, mode, tmp_path]
+    cmd = _launch(args) if ranks > 1 else [sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    # mlx.launch (ring) exits 0 even when a rank fails: check each rank's output file.
+    names = [f"{mode}-{ranks}-rank{r}.npz" for r in range(ranks)]
+    missing = [n for n in names if not (tmp_path / n).exists()]
+    assert not missing and proc.returncode == 0, (missing, proc.stdout, proc.stderr)
+    return [dict(np.load(tmp_path / n)) for n in names]
+
+
+def test_stage1_on_two_ranks_equals_one_process(tmp_path):
+    (one,) = _worker(tmp_path, "fit", 1)
+    r0, r1 = _worker(tmp_path, "fit", 2)
+    assert int(r0["tokens"]) == int(one["tokens"]) == 11 * 31  # both shares (first position native)
+    for k in one:
+        # Every rank holds the same maps (rank 0's, sent to all) ...
+        np.testing.assert_array_equal(r0[k], r1[k], err_msg=k)
+        # ... and they are the one-process fit over the same windows.
+        np.testing.assert_allclose(r0[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_two_stage2_steps_on_two_ranks_equal_one_process(tmp_path):
+    (one,) = _worker(tmp_path, "steps", 1)
+    r0, r1 = _worker(tmp_path, "steps", 2)
+    np.testing.assert_allclose(r0["losses"], one["losses"], rtol=1e-5)
+    for k in (k for k in one if k.startswith("m")):
+        np.testing.assert_array_equal(r0[k], r1[k], err_msg=k)  # identical on every rank
+        np.testing.assert_allclose(r0[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        # The steps moved the maps far more than that tolerance (so a rank that
+        # stepped on its own share alone would fail the comparison).
+        assert np.abs(one[k] - one["fit_" + k]).max() > 1e-4, k
