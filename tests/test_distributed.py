@@ -139,3 +139,89 @@ def test_two_stage2_steps_on_two_ranks_equal_one_process(tmp_path):
         # The steps moved the maps far more than that tolerance (so a rank that
         # stepped on its own share alone would fail the comparison).
         assert np.abs(one[k] - one["fit_" + k]).max() > 1e-4, k
+
+
+def _ranks_of(launcher: subprocess.Popen) -> dict:
+    """{rank: pid} of the processes an mlx.launch started on this machine (it starts
+    them from threads, so look at every thread's children)."""
+    ranks = {}
+    for task in Path(f"/proc/{launcher.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            for e in env:
+                if e.startswith(b"MLX_RANK="):
+                    ranks[int(e[9:])] = int(pid)
+    return ranks
+
+
+def _steps(log: Path):
+    return [json.loads(l)["step"] for l in log.read_text().splitlines() if '"loss"' in l]
+
+
+def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_path):
+    import inspect
+    import re
+
+    from mlx_kvlingo.train import load_checkpoint
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(m.__doc__ for m in (json, re, os, textwrap, inspect,
+                                                      subprocess, shutil)) * 3)
+
+    def train_args(out, *extra):
+        return ["-m", "mlx_kvlingo_cli.main", "train", "--source", toy_pair_dirs[0],
+                "--target", toy_pair_dirs[1], "--out", out, "--corpus", corpus,
+                "--fit-tokens", 1000, "--steps", 16, "--checkpoint-every", 2,
+                "--eval-every", 0, "--context-lengths", "32,48", "--continuation-len", 16,
+                "--batch-size", 2, "--accumulate", 2, "--store-pool", 4, *extra]
+
+    def launch(out, *extra):
+        return subprocess.run(_launch(train_args(out, *extra)), env=_env(), text=True,
+                              capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+
+    # The run that is not interrupted, for comparison.
+    whole = launch(tmp_path / "a.safetensors")
+    assert "Done: 16 steps" in whole.stdout, whole.stderr
+
+    out = tmp_path / "b.safetensors"
+    log, ckpt = Path(f"{out}.log.jsonl"), Path(f"{out}.ckpt.safetensors")
+    stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        launcher = subprocess.Popen(_launch(train_args(out)), env=_env(), stdout=o, stderr=e,
+                                    stdin=subprocess.DEVNULL)
+        try:
+            while not (log.exists() and max(_steps(log), default=0) >= 3):
+                assert launcher.poll() is None, stderr.read_text()
+                time.sleep(0.05)
+            os.kill(_ranks_of(launcher)[1], signal.SIGKILL)
+            launcher.wait(timeout=120)  # the surviving rank does not hang
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    err = stderr.read_text()
+    assert "Node with rank 1 exited with code -9" in err
+    # Rank 0 says what happened and how to go on; it exits non-zero (1, or -15 when
+    # mlx.launch's SIGTERM reaches it first). mlx.launch itself exits 0 (ring).
+    assert re.search(r"error: Rank 0 of 2 stopped while .*connection to a peer was lost", err)
+    assert "--resume, with the same number of processes" in err
+    assert re.search(r"Node with rank 0 exited with code (1|-15)", err)
+    assert "Done:" not in stdout.read_text()
+
+    # The checkpoint is whole: it loads, and says 2 processes wrote it.
+    _, info = load_checkpoint(ckpt)
+    assert info["world_size"] == 2 and 2 <= info["step"] < 16 and info["step"] % 2 == 0
+
+    # One process may not resume it ...
+    alone = subprocess.run([sys.executable, *map(str, train_args(out, "--resume"))],
+                           env=_env(), text=True, capture_output=True, timeout=300)
+    assert alone.returncode == 1
+    assert "written by a run of 2 process(es) and this run has 1" in alone.stderr
+    # ... two do, and finish where the uninterrupted run did.
+    rest = launch(out, "--resume")
+    assert "Done: 16 steps" in rest.stdout, rest.stderr
+    assert _steps(log) == list(range(1, 17))
+    from mlx_kvlingo.translator import load_translator
+
+    a, b = load_translator(tmp_path / "a.safetensors"), load_translator(out)
+    for x, y in zip(a.k_maps + a.v_maps, b.k_maps + b.v_maps):
+        np.testing.assert_array_equal(np.array(x.weight), np.array(y.weight))
