@@ -122,7 +122,7 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
     sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
-    group=None,
+    group=None, pair=None,
 ):
     """Stage 1 with a progress bar; returns (translator, report).
 
@@ -130,7 +130,8 @@ def fit_translator_cli(
     reads its best-ranked source layers (single-layer R²) and the candidate with
     the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
     ``group`` (under mlx.launch): each rank fits on its share of the windows, the
-    moments are summed, and every rank ends with rank 0's maps.
+    moments are summed, and every rank ends with rank 0's maps. ``pair``: the
+    corpus's samples when already read (default: read ``corpus``).
     """
     from mlx_kvlingo import data, distributed
     from mlx_kvlingo.fit import fit_features, fit_selected, fit_stage1
@@ -142,7 +143,7 @@ def fit_translator_cli(
         src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
         native_prefix=native_prefix,
     )
-    pair = _pair_data(corpus, src_tok, tgt_tok)
+    pair = pair or _pair_data(corpus, src_tok, tgt_tok)
     windows = max(tokens // context_len, 1)
     total = windows * (context_len - native_prefix) // distributed.size(group)
     label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
@@ -338,6 +339,19 @@ def _quiet_unless_writer(group):
         contextlib.redirect_stdout(open(os.devnull, "w")).__enter__()
 
 
+def _check_same_data(src, tgt, pair, group):
+    """Every rank must read the same models and corpus (each draws samples from its own)."""
+    from mlx_kvlingo import distributed
+    from mlx_kvlingo.models import cache_geometry
+    from mlx_kvlingo.store import corpus_digest
+
+    distributed.check_same({
+        "corpus": corpus_digest(pair),
+        "source": cache_geometry(src).fingerprint(),
+        "target": cache_geometry(tgt).fingerprint(),
+    }, group)
+
+
 def _starting_translator(path, src, tgt, src_tok, tgt_tok, group):
     """The translator stage 2 starts from: read by rank 0 and sent to every rank
     (on several machines only rank 0 needs the file)."""
@@ -401,6 +415,9 @@ def train(
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
         "(--steps is then ignored)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
+    peer_timeout: float = typer.Option(
+        1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
+        "gives up on the others (a vanished machine closes no socket); 0 = wait for ever."),
 ):
     """Train a translator: stage 1 (closed form) then stage 2 (distillation).
 
@@ -432,12 +449,15 @@ def train(
             store_pool=store_pool,
         )
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        pair = _pair_data(corpus, src_tok, tgt_tok)
+        if group is not None:
+            _check_same_data(src, tgt, pair, group)
         translator = None
         if stage in ("1", "both") and not resume:
             translator, report = fit_translator_cli(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
-                candidates_beside=out, group=group,
+                candidates_beside=out, group=group, pair=pair,
             )
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
@@ -449,7 +469,6 @@ def train(
                 return
         elif not resume:
             translator = _starting_translator(init or out, src, tgt, src_tok, tgt_tok, group)
-        pair = _pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
             steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
             config.distill.steps = distributed.broadcast_json(steps_, group)
@@ -461,7 +480,8 @@ def train(
         typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
         summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
-                               progress=_print_progress, corpus_id=corpus, group=group)
+                               progress=_print_progress, corpus_id=corpus, group=group,
+                               peer_timeout=peer_timeout)
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")

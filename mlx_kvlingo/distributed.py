@@ -18,6 +18,9 @@ the others' next collective raises (see :class:`PeerLost`).
 import dataclasses
 import itertools
 import json
+import os
+import sys
+import threading
 from typing import Iterable, List, Optional
 
 import mlx.core as mx
@@ -126,8 +129,7 @@ def any_rank(flag: bool, g) -> bool:
     reached one process only), so all ranks leave the loop at the same step."""
     if g is None:
         return flag
-    with collective_errors(g, "agreeing on a stop"):
-        return mx.distributed.all_sum(mx.array([int(flag)]), group=g, stream=mx.cpu).item() > 0
+    return mx.distributed.all_sum(mx.array([int(flag)]), group=g, stream=mx.cpu).item() > 0
 
 
 # ---------------------------------------------------------------------------
@@ -144,6 +146,26 @@ def broadcast_json(obj, g):
         buf = np.frombuffer(data, dtype=np.uint8) if is_writer(g) else np.zeros(n, np.uint8)
         got = mx.distributed.all_sum(mx.array(buf.astype(np.int32)), group=g, stream=mx.cpu)
         return json.loads(np.array(got).astype(np.uint8).tobytes().decode())
+
+
+def check_same(facts: dict, g) -> None:
+    """Refuse to train when this rank's ``facts`` (e.g. digests of the corpus and the
+    models) differ from rank 0's: ranks draw their samples from their own copies, and
+    different copies would silently train on different data. Every rank raises."""
+    if g is None:
+        return
+    theirs = broadcast_json(facts if is_writer(g) else None, g)
+    differ = sorted(k for k in set(facts) | set(theirs) if facts.get(k) != theirs.get(k))
+    with collective_errors(g, "comparing the data of every process"):
+        count = mx.distributed.all_sum(mx.array([int(bool(differ))]), group=g, stream=mx.cpu)
+        count = int(count.item())
+    if count:
+        mine = f" Here (rank {rank(g)}): {', '.join(differ)} differ." if differ else ""
+        raise KvlingoError(
+            f"{count} process(es) of the run read other data than rank 0 (models or "
+            f"corpus on their machines differ).{mine} Give every machine the same files "
+            "(same model directories and corpus; 'stdlib' depends on the Python version)."
+        )
 
 
 def broadcast_arrays(arrays: Optional[dict], g) -> dict:
@@ -195,6 +217,49 @@ class collective_errors:
             "Another process of the run probably died or lost its network (see its "
             "output above)." + (f" {self.hint}" if self.hint else "")
         ) from err
+
+
+class Watchdog:
+    """Ends this process when one step takes longer than ``seconds``.
+
+    A rank that *dies* closes its sockets and the others' next collective raises at
+    once. A machine that vanishes (power, network) closes nothing, and the others
+    would wait in the collective for ever: so each step is armed with a deadline,
+    and at the deadline this process prints why and exits with status 1 (from a
+    timer thread: the main thread is blocked inside MLX). Files are written
+    atomically, so the last checkpoint stays whole. ``seconds`` 0: no deadline.
+    """
+
+    def __init__(self, seconds: float, g, hint: str = ""):
+        self.seconds = seconds if g is not None else 0
+        self.g, self.hint = g, hint
+        self._timer = None
+
+    def arm(self, what: str):
+        self.disarm()
+        if self.seconds > 0:
+            self._timer = threading.Timer(self.seconds, self._fire, args=(what,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):  # never outlive the loop it guards (e.g. on an error)
+        self.disarm()
+
+    def _fire(self, what: str):
+        sys.stderr.write(
+            f"error: Rank {rank(self.g)} of {size(self.g)} waited more than "
+            f"{self.seconds:g}s for {what}: another process of the run is stuck or "
+            f"unreachable (--peer-timeout sets this limit). {self.hint}\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def micro_batch_positions(count: int, g) -> List[int]:

@@ -175,6 +175,7 @@ def train(
     progress: Optional[Callable[[dict], None]] = None,
     corpus_id: str = "",
     group=None,
+    peer_timeout: float = 0,
 ) -> dict:
     """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
 
@@ -190,7 +191,8 @@ def train(
 
     ``group``: an ``mx.distributed`` group when launched on several processes (every
     rank calls this with the same arguments and the same starting translator);
-    ``progress`` is then called on rank 0 only.
+    ``progress`` is then called on rank 0 only. ``peer_timeout``: seconds one step
+    may take before this rank gives up on the others (see distributed.Watchdog).
     """
     paths = _paths(out)
     writer = distributed.is_writer(group)
@@ -245,7 +247,8 @@ def train(
     t_run = time.perf_counter()
     log_path = paths["log"] if writer else os.devnull
     saved = distiller.step  # the step of the checkpoint a failure falls back to
-    with open(log_path, "a") as log, StopRequested() as stop:
+    watchdog = distributed.Watchdog(peer_timeout, group)
+    with open(log_path, "a") as log, StopRequested() as stop, watchdog:
         if distiller.step == 0 and config.eval_every and writer:
             # The starting point (the stage-1 fit), for comparison.
             last_eval = {"step": 0, "eval": evaluate().to_dict()}
@@ -253,6 +256,8 @@ def train(
             if progress:
                 progress(last_eval)
         while distiller.step < config.distill.steps:
+            watchdog.hint = _resume_hint(paths, saved)
+            watchdog.arm(f"step {distiller.step + 1}")
             t0 = time.perf_counter()
             batches = step_batches(distiller.step)
             t1 = time.perf_counter()
@@ -291,6 +296,7 @@ def train(
                 with distributed.collective_errors(group, f"finishing step {done}",
                                                    _resume_hint(paths, saved)):
                     stop.requested = distributed.any_rank(stop.requested, group)
+            watchdog.disarm()
             if done % config.checkpoint_every == 0 or stop.requested:
                 log.flush()
                 if writer:

@@ -158,11 +158,10 @@ def _steps(log: Path):
     return [json.loads(l)["step"] for l in log.read_text().splitlines() if '"loss"' in l]
 
 
-def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_path):
+def _train_args(toy_pair_dirs, tmp_path):
+    """`mlx-kvlingo train` arguments for a short run on the built-in toy pair."""
     import inspect
     import re
-
-    from mlx_kvlingo.train import load_checkpoint
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(m.__doc__ for m in (json, re, os, textwrap, inspect,
@@ -174,6 +173,22 @@ def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_
                 "--fit-tokens", 1000, "--steps", 16, "--checkpoint-every", 2,
                 "--eval-every", 0, "--context-lengths", "32,48", "--continuation-len", 16,
                 "--batch-size", 2, "--accumulate", 2, "--store-pool", 4, *extra]
+
+    return train_args
+
+
+def _wait_for_step(log: Path, step: int, launcher, stderr: Path):
+    while not (log.exists() and max(_steps(log), default=0) >= step):
+        assert launcher.poll() is None, stderr.read_text()
+        time.sleep(0.05)
+
+
+def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_path):
+    import re
+
+    from mlx_kvlingo.train import load_checkpoint
+
+    train_args = _train_args(toy_pair_dirs, tmp_path)
 
     def launch(out, *extra):
         return subprocess.run(_launch(train_args(out, *extra)), env=_env(), text=True,
@@ -190,9 +205,7 @@ def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_
         launcher = subprocess.Popen(_launch(train_args(out)), env=_env(), stdout=o, stderr=e,
                                     stdin=subprocess.DEVNULL)
         try:
-            while not (log.exists() and max(_steps(log), default=0) >= 3):
-                assert launcher.poll() is None, stderr.read_text()
-                time.sleep(0.05)
+            _wait_for_step(log, 3, launcher, stderr)
             os.kill(_ranks_of(launcher)[1], signal.SIGKILL)
             launcher.wait(timeout=120)  # the surviving rank does not hang
         finally:
@@ -225,3 +238,97 @@ def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_
     a, b = load_translator(tmp_path / "a.safetensors"), load_translator(out)
     for x, y in zip(a.k_maps + a.v_maps, b.k_maps + b.v_maps):
         np.testing.assert_array_equal(np.array(x.weight), np.array(y.weight))
+
+
+def test_a_frozen_rank_times_out_the_others(toy_pair_dirs, tmp_path):
+    """A machine that vanishes closes no socket: the others give up after
+    --peer-timeout seconds instead of waiting in the all-reduce for ever."""
+    train_args = _train_args(toy_pair_dirs, tmp_path)
+    out = tmp_path / "c.safetensors"
+    log, stderr = Path(f"{out}.log.jsonl"), tmp_path / "stderr.txt"
+    with open(stderr, "w") as e:
+        launcher = subprocess.Popen(_launch(train_args(out, "--peer-timeout", 6)), env=_env(),
+                                    stdout=subprocess.DEVNULL, stderr=e,
+                                    stdin=subprocess.DEVNULL)
+        ranks = {}
+        try:
+            _wait_for_step(log, 3, launcher, stderr)
+            ranks = _ranks_of(launcher)
+            os.kill(ranks[1], signal.SIGSTOP)  # alive, sockets open, never answers
+            t0 = time.time()
+            while "waited more than 6s" not in stderr.read_text():
+                assert time.time() - t0 < 120, stderr.read_text()
+                time.sleep(0.1)
+        finally:
+            for pid in ranks.values():  # a stopped process ignores mlx.launch's SIGTERM
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            launcher.wait(timeout=60)
+    err = stderr.read_text()
+    assert "error: Rank 0 of 2 waited more than 6s for step" in err
+    assert "is intact: run the same mlx.launch command with --resume" in err
+    assert "Node with rank 0 exited with code 1" in err
+
+
+class _Rank:
+    """Stands for an mx.distributed group in the sharding helpers (rank and size)."""
+
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def _interleave(shares):
+    """Rank r's share holds items r, r+N, ...: put them back in global order."""
+    out = []
+    for i in range(max(len(s) for s in shares)):
+        out += [s[i] for s in shares if i < len(s)]
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_rank_shares_partition_one_process_samples(monkeypatch, size):
+    """Without launching: each rank's share of a step's micro-batches and of the
+    stage-1 samples, put back together, is exactly what one process draws, for both
+    kinds of pair (the cross-tokenizer one draws its samples from one rng)."""
+    from test_align import TEXT, _bpe
+
+    from mlx_kvlingo import samples
+    from mlx_kvlingo.distill import DistillConfig
+    from mlx_kvlingo.samples import AlignedText, SharedTokens
+    from mlx_kvlingo.train import RunConfig
+    from mlx_kvlingo.translator import Translator
+    from tiny import tiny_model
+
+    config = RunConfig(DistillConfig(batch_size=2, accumulate=5, seed=4),
+                       context_lengths=(8, 12), continuation_len=4)
+    ranks = [_Rank(r, size) for r in range(size)]
+    monkeypatch.setattr(samples, "make_batch", lambda s, t, tr, c, n: (c.tolist(), n.tolist()))
+    monkeypatch.setattr(samples, "make_aligned_batch", lambda s, t, tr, x: x.alignment.target_tokens)
+    shared = SharedTokens(list(range(500)), list(range(500)))
+    whole = shared.step_batches(None, None, None, config, 7)
+    assert _interleave([shared.step_batches(None, None, None, config, 7, g) for g in ranks]) == whole
+    assert len(whole) == shared.micro_batches(config) == 5
+
+    stok, ttok = _bpe(300), _bpe(330, bos=True)
+    text = (TEXT * 40).replace("\n", " ")
+    aligned = AlignedText(stok, ttok, text, text)
+    whole = aligned.step_batches(None, None, None, config, 7)
+    assert _interleave([aligned.step_batches(None, None, None, config, 7, g) for g in ranks]) == whole
+    assert len(whole) == aligned.micro_batches(config) == 10 and len({str(w) for w in whole}) > 1
+
+    src = tiny_model("qwen3", vocab_size=300)
+    tgt = tiny_model("llama", vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+
+    def fit_rows(g):
+        return [np.array(f[0][0]).tolist() for f in aligned.fit_features(src, tgt, t, 5, 12, group=g)]
+
+    assert _interleave([fit_rows(g) for g in ranks]) == fit_rows(None)
