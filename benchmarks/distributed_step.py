@@ -11,7 +11,9 @@ so the machine's load falls on each alike:
 
 Per step: ``prepare`` (the frozen source and teacher passes of this rank's
 share), ``update`` (gradients, the all-reduce, the optimizer); rank 0's wall
-time is the step's. The all-reduce of the maps' gradients is also timed alone.
+time is the step's, and its CPU time says how much work it did (on a machine
+shared with other jobs, wall time also depends on how much CPU the jobs get).
+The all-reduce of the maps' gradients is also timed alone.
 
     python benchmarks/distributed_step.py --json benchmarks/results/distributed-step.json
     python benchmarks/distributed_step.py --model ~/.cache/mlx-kvlingo/SmolLM2-135M-Instruct-float32
@@ -63,13 +65,13 @@ def worker(args):
         positions = distributed.micro_batch_positions(pair.micro_batches(config), g)
     rows = []
     for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         batches = pair.step_batches(src, tgt, translator, config, step, g)
         t1 = time.perf_counter()
         distiller.train_step(batches, positions)
         t2 = time.perf_counter()
-        if step >= args.warmup:
-            rows.append((t1 - t0, t2 - t1))
+        if step >= args.warmup:  # CPU seconds this process used (all its threads)
+            rows.append((t1 - t0, t2 - t1, time.process_time() - c0))
     allreduce = None
     if g is not None:  # the collective alone, on a gradient-shaped tree
         grads = tree_map(lambda p: mx.ones_like(p), distiller.maps.trainable_parameters())
@@ -85,6 +87,8 @@ def worker(args):
             "prepare_s": statistics.median(r[0] for r in rows),
             "update_s": statistics.median(r[1] for r in rows),
             "step_s": statistics.median(r[0] + r[1] for r in rows),
+            "cpu_s": statistics.median(r[2] for r in rows),
+            "load_average": os.getloadavg()[0],
             "allreduce_s": allreduce,
             "params": params,
         }))
@@ -143,7 +147,8 @@ def main():
                 row = run_config(args, ranks, threads, Path(tmp) / "row.json")
                 results[name].append(row)
                 print(f"round {r}: {name}: step {row['step_s']:.3f}s (prepare "
-                      f"{row['prepare_s']:.3f}, update {row['update_s']:.3f})"
+                      f"{row['prepare_s']:.3f}, update {row['update_s']:.3f}; rank 0 used "
+                      f"{row['cpu_s']:.3f} CPU-s; load {row['load_average']:.1f})"
                       + (f", all-reduce alone {row['allreduce_s'] * 1e3:.1f} ms"
                          if row["allreduce_s"] else ""), flush=True)
     base = statistics.median(r["step_s"] for r in results[configs[0][0]])
@@ -153,6 +158,7 @@ def main():
         summary[name] = {"step_s": step, "speedup_vs_1_rank_1_thread": base / step,
                          "prepare_s": statistics.median(r["prepare_s"] for r in rows),
                          "update_s": statistics.median(r["update_s"] for r in rows),
+                         "rank0_cpu_s": statistics.median(r["cpu_s"] for r in rows),
                          "allreduce_s": rows[0]["allreduce_s"]}
         print(f"{name:24s} {step:.3f} s/step  x{base / step:.2f}")
     if args.json:
