@@ -479,9 +479,17 @@ def train(
         steps_ = config.distill.steps
         typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
-        summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
-                               progress=_print_progress, corpus_id=corpus, group=group,
-                               peer_timeout=peer_timeout)
+        try:
+            summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
+                                   progress=_print_progress, corpus_id=corpus, group=group,
+                                   peer_timeout=peer_timeout)
+        finally:
+            if group is not None:
+                # The run is over (its files written, or a peer lost): mlx.launch SIGTERMs
+                # every rank once one exits non-zero; let this one finish its report.
+                import signal
+
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")

@@ -132,6 +132,14 @@ def any_rank(flag: bool, g) -> bool:
     return mx.distributed.all_sum(mx.array([int(flag)]), group=g, stream=mx.cpu).item() > 0
 
 
+def barrier(g, doing: str = "waiting for the other processes") -> None:
+    """Return when every rank has reached this point."""
+    if g is None:
+        return
+    with collective_errors(g, doing):
+        mx.eval(mx.distributed.all_sum(mx.array([1]), group=g, stream=mx.cpu))
+
+
 # ---------------------------------------------------------------------------
 # Sending the writer's state to every rank (it alone reads files on resume)
 

@@ -310,6 +310,9 @@ def train(
         if not stopped:
             _save_all(paths, distiller, config)
         write_plot(paths["log"], paths["plot"])
+    # No rank leaves before rank 0's files are whole: mlx.launch ends the others as
+    # soon as one process exits with a non-zero status (as a stopped run does).
+    distributed.barrier(group, "waiting for rank 0 to write the translator")
     return {
         "steps": distiller.step,
         "skipped": distiller.skipped,
