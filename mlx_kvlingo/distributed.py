@@ -38,12 +38,19 @@ class PeerLost(KvlingoError):
     """A collective failed: another rank of the run died or became unreachable."""
 
 
+# Set by mlx.launch (ring, jaccl, nccl: MLX_RANK) or by mpirun (Open MPI, MPICH).
+_LAUNCHED_BY = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
 def group() -> Optional[mx.distributed.Group]:
-    """The group of all launched processes, or None when this process runs alone."""
+    """The group of all launched processes, or None when this process runs alone
+    (then not even ``mx.distributed.init`` is called)."""
     global _group
     if _group is _UNSET:
-        g = mx.distributed.init()  # a singleton group when not launched
-        _group = g if g.size() > 1 else None
+        _group = None
+        if any(v in os.environ for v in _LAUNCHED_BY):
+            g = mx.distributed.init()
+            _group = g if g.size() > 1 else None
     return _group
 
 
