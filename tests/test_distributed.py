@@ -345,13 +345,17 @@ def test_a_stop_reaching_one_rank_stops_all_with_a_checkpoint(toy_pair_dirs, tmp
                                     stdin=subprocess.DEVNULL)
         try:
             _wait_for_step(log, 3, launcher, stderr)
-            os.kill(_ranks_of(launcher)[1], signal.SIGTERM)
+            pid = _ranks_of(launcher)[1]
+            masks = [l for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if l.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+            os.kill(pid, signal.SIGTERM)
             launcher.wait(timeout=120)
         finally:
             if launcher.poll() is None:
                 launcher.kill()
     err = stderr.read_text()
-    assert "Node with rank 1 exited with code 130" in err and "error:" not in err, err
+    assert "Node with rank 1 exited with code 130" in err and "error:" not in err, (
+        err, stdout.read_text(), masks)
     _, info = load_checkpoint(Path(f"{out}.ckpt.safetensors"))
     assert 3 <= info["step"] == max(_steps(log)) < 16  # the step both stopped after
     # Rank 0 says so and exits 130 too (mlx.launch's SIGTERM, sent when rank 1 exits
