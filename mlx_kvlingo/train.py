@@ -292,17 +292,20 @@ def train(
                 log.write(json.dumps(last_eval) + "\n")
                 if progress:
                     progress(last_eval)
+            stop_now = stop.requested
             if group is not None:  # a stop reaching one rank stops all at this step
                 with distributed.collective_errors(group, f"finishing step {done}",
                                                    _resume_hint(paths, saved)):
-                    stop.requested = distributed.any_rank(stop.requested, group)
+                    # Not written back into stop.requested: a signal landing during
+                    # the collective must not be lost; the next step agrees on it.
+                    stop_now = distributed.any_rank(stop.requested, group)
             watchdog.disarm()
-            if done % config.checkpoint_every == 0 or stop.requested:
+            if done % config.checkpoint_every == 0 or stop_now:
                 log.flush()
                 if writer:
                     _save_all(paths, distiller, config)
                 saved = done
-            if stop.requested:
+            if stop_now:
                 stopped = True
                 break
         log.flush()
