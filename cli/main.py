@@ -449,8 +449,9 @@ def train(
             store_pool=store_pool,
         )
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
-        pair = _pair_data(corpus, src_tok, tgt_tok)
-        if group is not None:
+        pair = None
+        if group is not None:  # before any work: every rank must read the same data
+            pair = _pair_data(corpus, src_tok, tgt_tok)
             _check_same_data(src, tgt, pair, group)
         translator = None
         if stage in ("1", "both") and not resume:
@@ -469,6 +470,7 @@ def train(
                 return
         elif not resume:
             translator = _starting_translator(init or out, src, tgt, src_tok, tgt_tok, group)
+        pair = pair or _pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
             steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
             config.distill.steps = distributed.broadcast_json(steps_, group)
