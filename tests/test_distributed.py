@@ -47,6 +47,15 @@ WORKER = textwrap.dedent('''
 
     mode, out = sys.argv[2], sys.argv[3]
     g = distributed.group()
+    if mode == "check":  # rank 1 reads another corpus than rank 0
+        try:
+            distributed.check_same({"corpus": str(distributed.rank(g)), "model": "m"}, g)
+            message = "accepted"
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+        name = f"check-{distributed.size(g)}-rank{distributed.rank(g)}.npz"
+        np.savez(os.path.join(out, name), message=np.array(message))
+        sys.exit(0)
     src, tgt = tiny_model("qwen3", seed=1), tiny_model("llama", seed=2)
     stream = np.random.default_rng(0).integers(0, 97, 4000).tolist()
     # 11 windows in batches of 2: 6 batches, the last of one window (unequal shares).
@@ -140,6 +149,16 @@ def test_two_stage2_steps_on_two_ranks_equal_one_process(tmp_path):
         # The steps moved the maps far more than that tolerance (so a rank that
         # stepped on its own share alone would fail the comparison).
         assert np.abs(one[k] - one["fit_" + k]).max() > 1e-4, k
+
+
+def test_ranks_refuse_to_train_on_different_data(tmp_path):
+    r0, r1 = _worker(tmp_path, "check", 2)
+    for r, m in ((0, r0), (1, r1)):
+        message = str(m["message"])
+        assert message.startswith("KvlingoError: 1 process(es) of the run read other data"), message
+        assert ("Here (rank 1): corpus differ" in message) == (r == 1), message
+    (alone,) = _worker(tmp_path, "check", 1)  # one process: nothing to compare
+    assert str(alone["message"]) == "accepted"
 
 
 def _ranks_of(launcher: subprocess.Popen) -> dict:
