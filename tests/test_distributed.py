@@ -24,10 +24,10 @@ import pytest
 TESTS = Path(__file__).parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed"),
-]
+def launches(test):
+    """A test that starts processes with mlx.launch: slow (seconds to a minute)."""
+    test = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")(test)
+    return pytest.mark.slow(test)
 
 WORKER = textwrap.dedent('''
     """Alone (a world of one) or under mlx.launch: fit and/or train tiny maps and
@@ -128,6 +128,7 @@ def _worker(tmp_path, mode, ranks):
     return [dict(np.load(tmp_path / n)) for n in names]
 
 
+@launches
 def test_stage1_on_two_ranks_equals_one_process(tmp_path):
     (one,) = _worker(tmp_path, "fit", 1)
     r0, r1 = _worker(tmp_path, "fit", 2)
@@ -139,6 +140,7 @@ def test_stage1_on_two_ranks_equals_one_process(tmp_path):
         np.testing.assert_allclose(r0[k], one[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@launches
 def test_two_stage2_steps_on_two_ranks_equal_one_process(tmp_path):
     (one,) = _worker(tmp_path, "steps", 1)
     r0, r1 = _worker(tmp_path, "steps", 2)
@@ -151,6 +153,7 @@ def test_two_stage2_steps_on_two_ranks_equal_one_process(tmp_path):
         assert np.abs(one[k] - one["fit_" + k]).max() > 1e-4, k
 
 
+@launches
 def test_ranks_refuse_to_train_on_different_data(tmp_path):
     r0, r1 = _worker(tmp_path, "check", 2)
     for r, m in ((0, r0), (1, r1)):
@@ -202,6 +205,7 @@ def _wait_for_step(log: Path, step: int, launcher, stderr: Path):
         time.sleep(0.05)
 
 
+@launches
 def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_path):
     from mlx_kvlingo.train import load_checkpoint
 
@@ -257,6 +261,7 @@ def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_
         np.testing.assert_array_equal(np.array(x.weight), np.array(y.weight))
 
 
+@launches
 def test_a_frozen_rank_times_out_the_others(toy_pair_dirs, tmp_path):
     """A machine that vanishes closes no socket: the others give up after
     --peer-timeout seconds instead of waiting in the all-reduce for ever."""
@@ -351,6 +356,7 @@ def test_rank_shares_partition_one_process_samples(monkeypatch, size):
     assert _interleave([fit_rows(g) for g in ranks]) == fit_rows(None)
 
 
+@launches
 def test_a_stop_reaching_one_rank_stops_all_with_a_checkpoint(toy_pair_dirs, tmp_path):
     """SIGTERM (or Ctrl-C) on rank 1 alone: the ranks agree on it at the step boundary,
     rank 0 writes the checkpoint of that step, and both stop as a single process does."""
