@@ -122,14 +122,18 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
     sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
+    group=None, pair=None,
 ):
     """Stage 1 with a progress bar; returns (translator, report).
 
     ``select_layers``: candidate numbers of source layers per map; each map then
     reads its best-ranked source layers (single-layer R²) and the candidate with
     the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
+    ``group`` (under mlx.launch): each rank fits on its share of the windows, the
+    moments are summed, and every rank ends with rank 0's maps. ``pair``: the
+    corpus's samples when already read (default: read ``corpus``).
     """
-    from mlx_kvlingo import data
+    from mlx_kvlingo import data, distributed
     from mlx_kvlingo.evaluate import evaluate_pair
     from mlx_kvlingo.fit import fit_features, fit_selected, fit_stage1
     from mlx_kvlingo.models import token_features
@@ -140,45 +144,56 @@ def fit_translator_cli(
         src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
         native_prefix=native_prefix,
     )
-    pair = _pair_data(corpus, src_tok, tgt_tok)
+    pair = pair or _pair_data(corpus, src_tok, tgt_tok)
     windows = max(tokens // context_len, 1)
-    total = windows * (context_len - native_prefix)
+    total = windows * (context_len - native_prefix) // distributed.size(group)
     label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
     all_layers = list(range(len(translator.spec.source.cache_geometry.layers)))
 
+    def shared_windows():
+        return distributed.shard_iter(
+            data.token_windows(pair.train_stream, context_len, batch_size, windows), group)
+
     def shared_features(layers):
-        for tokens in data.token_windows(pair.train_stream, context_len, batch_size, windows):
+        for tokens in shared_windows():
             sk, sv, _ = token_features(src, tokens, layers)
             tk, tv, _ = token_features(tgt, tokens)
             yield sk, sv, tk, tv
 
     def choose(candidates):
-        """Index of the candidate with the lowest KL on a few held-out windows."""
+        """Index of the candidate with the lowest KL on a few held-out windows
+        (rank 0 decides for every rank)."""
+        if not distributed.is_writer(group):
+            return distributed.broadcast_json(None, group)
         items = pair.heldout(min(context_len, 512), 48, 8)
         rows = evaluate_pair(pair, src, tgt, candidates, items, min(context_len, 512))
         for t, r in zip(candidates, rows):
             typer.echo(f"  {t.spec.training['sources_per_layer']} source layers per map: "
                        f"held-out KL {r.kl:.4f}, CBR {r.cbr:.1%}")
-        return min(range(len(rows)), key=lambda i: rows[i].kl)
+        return distributed.broadcast_json(min(range(len(rows)), key=lambda i: rows[i].kl), group)
 
     with typer.progressbar(length=total, label=label) as bar:
         shared = isinstance(pair, SharedTokens)
         if select_layers:
             features = (shared_features(all_layers) if shared else
                         pair.fit_features(src, tgt, translator, windows, context_len,
-                                          layers=all_layers))
+                                          layers=all_layers, group=group))
             skip = native_prefix if shared else 0
             extra = {f"adjacent{sources_per_layer}": translator.spec.layer_map}
             translator, report, fitted = fit_selected(translator, features, select_layers, ridge,
-                                                      choose, bar.update, skip, extra)
+                                                      choose, bar.update, skip, extra, group)
         elif shared:
-            batches = data.token_windows(pair.train_stream, context_len, batch_size, windows)
-            report = fit_stage1(src, tgt, translator, batches, ridge=ridge, progress=bar.update)
+            report = fit_stage1(src, tgt, translator, shared_windows(), ridge=ridge,
+                                progress=bar.update, group=group)
         else:
-            features = pair.fit_features(src, tgt, translator, windows, context_len)
-            report = fit_features(translator, features, ridge=ridge, progress=bar.update)
+            features = pair.fit_features(src, tgt, translator, windows, context_len, group=group)
+            report = fit_features(translator, features, ridge=ridge, progress=bar.update,
+                                  group=group)
+    # The same moments give the same maps; sending rank 0's makes it exact even
+    # across machines whose linear algebra rounds differently.
+    distributed.broadcast_module(translator, group)
     translator.spec.training["corpus"] = corpus
-    if select_layers and candidates_beside is not None:
+    if select_layers and candidates_beside is not None and distributed.is_writer(group):
         for name, t in fitted.items():  # every candidate, for comparisons
             t.spec.training["corpus"] = corpus
             out = Path(candidates_beside)
@@ -219,16 +234,22 @@ def fit(
     native_prefix: int = typer.Option(1, help="First tokens the target computes itself."),
     select_layers: Optional[str] = typer.Option(None, help=SELECT_HELP),
 ):
-    """Stage 1: fit a translator in closed form and write it to OUT."""
+    """Stage 1: fit a translator in closed form and write it to OUT (under
+    `mlx.launch -n N`, on N processes)."""
+    from mlx_kvlingo import distributed
 
     def go():
+        group = distributed.group()
+        if group is not None:
+            _quiet_unless_writer(group)
         _warn_if_slow_blas()
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         translator, report = fit_translator_cli(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
-            sources_per_layer, native_prefix, _counts(select_layers),
+            sources_per_layer, native_prefix, _counts(select_layers), group=group,
         )
-        translator.save(out)
+        if distributed.is_writer(group):
+            translator.save(out)
         r = report.to_dict()
         typer.echo(
             f"Fitted on {r['tokens']} positions in {r['seconds']:.1f}s: mean R² keys "
@@ -308,6 +329,53 @@ def _print_progress(record: dict):
         )
 
 
+def _quiet_unless_writer(group):
+    """Only rank 0 prints progress under mlx.launch (errors still reach stderr)."""
+    import contextlib
+    import os
+
+    from mlx_kvlingo import distributed
+
+    if not distributed.is_writer(group):
+        contextlib.redirect_stdout(open(os.devnull, "w")).__enter__()
+
+
+def _check_same_data(src, tgt, pair, group):
+    """Every rank must read the same models and corpus (each draws samples from its own)."""
+    from mlx_kvlingo import distributed
+    from mlx_kvlingo.models import cache_geometry
+    from mlx_kvlingo.store import corpus_digest
+
+    distributed.check_same({
+        "corpus": corpus_digest(pair),
+        "source": cache_geometry(src).fingerprint(),
+        "target": cache_geometry(tgt).fingerprint(),
+    }, group)
+
+
+def _starting_translator(path, src, tgt, src_tok, tgt_tok, group):
+    """The translator stage 2 starts from: read by rank 0 and sent to every rank
+    (on several machines only rank 0 needs the file)."""
+    from mlx_kvlingo import distributed
+    from mlx_kvlingo.translator import Translator, TranslatorSpec, load_translator
+
+    found, error = None, None
+    if distributed.is_writer(group):
+        try:
+            translator = load_translator(path)
+            translator.check_models(src, tgt, src_tok, tgt_tok)
+            found = {"spec": translator.spec.to_json()}
+        except KvlingoError as e:
+            found, error = {"error": str(e)}, e
+    found = distributed.broadcast_json(found, group)
+    if "error" in found:
+        raise error or KvlingoError(found["error"])
+    if not distributed.is_writer(group):
+        translator = Translator(TranslatorSpec.from_json(found["spec"]))
+    distributed.broadcast_module(translator, group)
+    return translator
+
+
 @app.command()
 def train(
     source: str = typer.Option(..., help="Source model: local path or hub id."),
@@ -348,16 +416,26 @@ def train(
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
         "(--steps is then ignored)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
+    peer_timeout: float = typer.Option(
+        1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
+        "gives up on the others (a vanished machine closes no socket); 0 = wait for ever."),
 ):
-    """Train a translator: stage 1 (closed form) then stage 2 (distillation)."""
+    """Train a translator: stage 1 (closed form) then stage 2 (distillation).
+
+    Under `mlx.launch -n N` it trains data-parallel on N processes (README,
+    "Training on several machines"); rank 0 prints and writes every file."""
+    from mlx_kvlingo import distributed
     from mlx_kvlingo.distill import DistillConfig
     from mlx_kvlingo.train import RunConfig
     from mlx_kvlingo.train import train as run_training
-    from mlx_kvlingo.translator import load_translator
 
     def go():
         t_start = time.perf_counter()
         budget_s = _duration(budget) if budget else None
+        group = distributed.group()
+        if group is not None:
+            _quiet_unless_writer(group)
+            typer.echo(f"Training on {group.size()} processes (mlx.distributed).")
         _warn_if_slow_blas()
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
@@ -372,34 +450,49 @@ def train(
             store_pool=store_pool,
         )
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        pair = None
+        if group is not None:  # before any work: every rank must read the same data
+            pair = _pair_data(corpus, src_tok, tgt_tok)
+            _check_same_data(src, tgt, pair, group)
         translator = None
         if stage in ("1", "both") and not resume:
             translator, report = fit_translator_cli(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
-                candidates_beside=out,
+                candidates_beside=out, group=group, pair=pair,
             )
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
                        f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
-            translator.save(out)
+            if distributed.is_writer(group):
+                translator.save(out)
             if stage == "1":
                 typer.echo(f"Wrote {out}")
                 return
         elif not resume:
-            translator = load_translator(init or out)
-            translator.check_models(src, tgt, src_tok, tgt_tok)
-        pair = _pair_data(corpus, src_tok, tgt_tok)
+            translator = _starting_translator(init or out, src, tgt, src_tok, tgt_tok, group)
+        pair = pair or _pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
-            config.distill.steps = _checkpoint_steps(out)
+            steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
+            config.distill.steps = distributed.broadcast_json(steps_, group)
         elif budget_s:
-            config.distill.steps = _budget_steps(budget_s, time.perf_counter() - t_start,
-                                                 src, tgt, translator, pair, config)
+            steps_ = _budget_steps(budget_s, time.perf_counter() - t_start,
+                                   src, tgt, translator, pair, config)
+            config.distill.steps = distributed.broadcast_json(steps_, group)  # rank 0's plan
         steps_ = config.distill.steps
         typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
                    + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
-        summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
-                               progress=_print_progress, corpus_id=corpus)
+        try:
+            summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
+                                   progress=_print_progress, corpus_id=corpus, group=group,
+                                   peer_timeout=peer_timeout)
+        finally:
+            if group is not None:
+                # The run is over (its files written, or a peer lost): mlx.launch SIGTERMs
+                # every rank once one exits non-zero; let this one finish its report.
+                import signal
+
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")

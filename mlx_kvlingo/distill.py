@@ -24,6 +24,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import distributed
 from .models import append_layer, build_cache, last_logits, prefill, read_layer, token_features
 from .translator import Translator
 
@@ -238,10 +239,17 @@ class RmsScaledAdamW(optim.AdamW):
 
 
 class Distiller:
-    """Owns the trainable maps, the optimizer and the gradient step."""
+    """Owns the trainable maps, the optimizer and the gradient step.
 
-    def __init__(self, translator: Translator, target, config: DistillConfig):
+    ``group`` (an ``mx.distributed`` group, see distributed.py): each rank passes
+    its share of a step's micro-batches and the gradients are averaged over ranks
+    (token-weighted), so every rank takes the same optimizer step as one process
+    over the whole batch. None: no collective call.
+    """
+
+    def __init__(self, translator: Translator, target, config: DistillConfig, group=None):
         self.config = config
+        self.group = group
         self.base = translator  # its spec says which source layers and prefix to use
         target.freeze()
         self.maps = LowRankMaps(translator, config.rank, config.seed) if config.rank else translator
@@ -260,13 +268,14 @@ class Distiller:
         self.step = 0  # optimizer steps taken
         self.skipped = 0  # steps dropped for a non-finite loss or gradient
 
-    def train_step(self, batches: List[Batch]) -> Tuple[float, bool]:
+    def train_step(self, batches: List[Batch], positions=None) -> Tuple[float, bool]:
         """One optimizer step over micro-batches (gradient accumulation).
 
         Returns (mean loss, applied). A non-finite loss or gradient skips the
         update entirely: nothing non-finite is ever written into the maps.
+        ``positions``: see :meth:`gradients`.
         """
-        total, grads = self.gradients(batches)
+        total, grads = self.gradients(batches, positions)
         grads, norm = optim.clip_grad_norm(grads, self.config.clip)
         mx.eval(total, norm)
         loss = total.item()
@@ -278,8 +287,13 @@ class Distiller:
         mx.eval(self.maps.parameters(), self.optimizer.state)
         return loss, True
 
-    def gradients(self, batches: List[Batch]):
-        """Token-weighted mean loss and gradients over micro-batches (lazy arrays)."""
+    def gradients(self, batches: List[Batch], positions=None):
+        """Token-weighted mean loss and gradients over micro-batches (lazy arrays).
+
+        ``positions``: each micro-batch's place in the whole step (default 0, 1, ...);
+        with several ranks a rank holds only some, and the native tail goes by place.
+        """
+        positions = range(len(batches)) if positions is None else positions
         total, grads = 0.0, None
         weight = sum(b.tokens for b in batches)
         cfg = self.config
@@ -287,13 +301,15 @@ class Distiller:
         # set of maps serves switches with and without it.
         batches = [b.with_teacher_topk(cfg.teacher_topk)
                    .with_native_tail(cfg.native_tail if j % 2 else 0)
-                   for j, b in enumerate(batches)]
+                   for j, b in zip(positions, batches)]
         for b in batches:
             loss, g = self._grad(self.maps, b)
             scale = b.tokens / weight
             g = tree_map(lambda x: x * scale, g)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             total += loss * scale
+        if self.group is not None:
+            total, grads = distributed.mean_over_ranks(total, grads, weight, self.group)
         return total, grads
 
     def translator(self) -> Translator:

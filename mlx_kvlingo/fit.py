@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from . import distributed
 from .models import token_features
 from .translator import Translator, TranslatorSpec
 
@@ -137,12 +138,14 @@ def fit_stage1(
     batches: Iterable[mx.array],
     ridge: float = 1e-3,
     progress: Optional[Callable[[int], None]] = None,
+    group=None,
 ) -> FitReport:
     """Fit every map of ``translator`` in closed form on token batches [B, T] that both
     models read identically (a shared tokenizer).
 
     Positions the target computes natively at switch time (the first
-    ``native_prefix`` of each window) are left out of the fit.
+    ``native_prefix`` of each window) are left out of the fit. ``group``: see
+    :func:`fit_features`.
     """
     skip = translator.spec.native_prefix
 
@@ -152,7 +155,7 @@ def fit_stage1(
             tgt_k, tgt_v, _ = token_features(target, tokens)
             yield src_k, src_v, tgt_k, tgt_v
 
-    return fit_features(translator, features(), ridge, progress, skip)
+    return fit_features(translator, features(), ridge, progress, skip, group)
 
 
 def fit_features(
@@ -161,9 +164,13 @@ def fit_features(
     ridge: float = 1e-3,
     progress: Optional[Callable[[int], None]] = None,
     skip: int = 0,
+    group=None,
 ) -> FitReport:
     """Fit from an iterable of (source K, source V, target K, target V) feature lists
-    ([B, T, width] per layer, position-aligned); positions < ``skip`` are left out."""
+    ([B, T, width] per layer, position-aligned); positions < ``skip`` are left out.
+
+    ``group`` (an ``mx.distributed`` group, see distributed.py): ``features`` is this
+    rank's share; the moments are summed over ranks before the one solve."""
     t0 = time.perf_counter()
     acc = MomentAccumulator(translator)
     for src_k, src_v, tgt_k, tgt_v in features:
@@ -171,6 +178,8 @@ def fit_features(
         acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
         if progress is not None:
             progress(acc.count - before)
+    if group is not None:
+        distributed.all_sum_moments(acc, group)
     report = FitReport(tokens=acc.count)
     report.r2_keys, report.r2_values = acc.solve(ridge)
     report.seconds = time.perf_counter() - t0
@@ -276,6 +285,7 @@ def fit_selected(
     progress: Optional[Callable[[int], None]] = None,
     skip: int = 0,
     extra: Optional[Dict[str, List[List[int]]]] = None,
+    group=None,
 ) -> Tuple[Translator, FitReport, Dict[str, Translator]]:
     """Stage 1 with each map's source layers chosen from data.
 
@@ -286,6 +296,8 @@ def fit_selected(
     predict how much of the context a translation keeps. ``translator`` supplies the
     pair's identity and settings; its layer map is replaced. ``extra``: more layer
     maps to fit from the same moments (e.g. adjacent layers, for comparison).
+    ``group``: as in :func:`fit_features` (``choose`` must then give the same
+    answer on every rank).
 
     Returns (chosen translator, its report, every fitted translator by name).
     """
@@ -298,6 +310,8 @@ def fit_selected(
         acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
         if progress is not None:
             progress(acc.count - before)
+    if group is not None:
+        distributed.all_sum_moments(acc, group)
     ranked = acc.ranked_layers(ridge)
     fitted = {}
     for k in candidates:

@@ -19,6 +19,7 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
+from . import distributed
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from .distill import Batch, make_batch, make_batch_from_features, native_prefix_kv
 from .errors import KvlingoError
@@ -57,10 +58,15 @@ class SharedTokens:
             out.append((w[:, :c], w[:, c:]))
         return out
 
-    def step_batches(self, source, target, translator, config, step: int) -> List[Batch]:
+    def micro_batches(self, config) -> int:
+        return config.distill.accumulate
+
+    def step_batches(self, source, target, translator, config, step: int,
+                     group=None) -> List[Batch]:
+        """The step's micro-batches; with ``group``, this rank's share of them."""
         return [
             make_batch(source, target, translator, c, n)
-            for c, n in self.step_samples(config, step)
+            for c, n in distributed.share(self.step_samples(config, step), group)
         ]
 
     def heldout(self, context_len: int, continuation_len: int, count: int):
@@ -119,15 +125,21 @@ class AlignedText:
             )
         raise KvlingoError("Could not cut a sample from the corpus: is it mostly whitespace?")
 
-    def step_batches(self, source, target, translator, config, step: int) -> List[Batch]:
+    def micro_batches(self, config) -> int:
+        return config.distill.accumulate * config.distill.batch_size
+
+    def step_batches(self, source, target, translator, config, step: int,
+                     group=None) -> List[Batch]:
+        """The step's micro-batches (one sample each); with ``group``, this rank's
+        share (every sample is drawn, so the rng stays in step with one process)."""
         d = config.distill
         rng = _step_rng(d.seed, step)
-        batches = []
-        for _ in range(d.accumulate * d.batch_size):
+        samples = []
+        for _ in range(self.micro_batches(config)):
             c = rng.choice(list(config.context_lengths))
-            s = self.sample(self.train_text, c, config.continuation_len, rng)
-            batches.append(make_aligned_batch(source, target, translator, s))
-        return batches
+            samples.append(self.sample(self.train_text, c, config.continuation_len, rng))
+        return [make_aligned_batch(source, target, translator, s)
+                for s in distributed.share(samples, group)]
 
     def heldout(self, context_len: int, continuation_len: int, count: int):
         rng = random.Random(12345)
@@ -135,14 +147,14 @@ class AlignedText:
                 for _ in range(count)]
 
     def fit_features(self, source, target, translator, count: int, context_len: int, seed=0,
-                     layers=None):
+                     layers=None, group=None):
         """(source, target) feature pairs for the stage-1 fit: the target's translated
         positions and the source features aligned to them (of the translator's source
-        layers, or of ``layers``)."""
+        layers, or of ``layers``). With ``group``, this rank's share of the samples."""
         rng = random.Random(seed)
         layers = translator.source_layers if layers is None else layers
-        for _ in range(count):
-            s = self.sample(self.train_text, context_len, 1, rng)
+        samples = (self.sample(self.train_text, context_len, 1, rng) for _ in range(count))
+        for s in distributed.shard_iter(samples, group):
             idx = s.alignment.with_native_prefix(translator.spec.native_prefix).source_index
             keep = [j for j, i in enumerate(idx) if i != NATIVE]
             rows = mx.array([idx[j] for j in keep])

@@ -9,6 +9,10 @@ Files next to the translator ``OUT``:
 
 Sampling is a pure function of (seed, step) (see samples.py), so a resumed run
 draws exactly the samples the uninterrupted run would have drawn.
+
+Under ``mlx.launch`` (``group``, see distributed.py) every rank runs this loop on
+its share of each step's micro-batches; rank 0 alone evaluates and writes files,
+and a checkpoint records how many ranks wrote it (a resume needs as many).
 """
 
 import json
@@ -21,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from . import distributed
 from .distill import DistillConfig, Distiller
 from .errors import KvlingoError
 from .evaluate import Fidelity, evaluate_pair
@@ -129,17 +134,16 @@ def _atomic_save_arrays(path: Path, arrays: dict, metadata: dict):
 
 
 def save_checkpoint(path: Path, distiller: Distiller, spec: TranslatorSpec, config: RunConfig):
-    meta = {
-        "mlx_kvlingo_checkpoint": json.dumps(
-            {
-                "version": CHECKPOINT_VERSION,
-                "step": distiller.step,
-                "skipped": distiller.skipped,
-                "config": config.to_dict(),
-                "spec": spec.to_json(),
-            }
-        )
+    info = {
+        "version": CHECKPOINT_VERSION,
+        "step": distiller.step,
+        "skipped": distiller.skipped,
+        "config": config.to_dict(),
+        "spec": spec.to_json(),
     }
+    if distiller.group is not None:  # absent: one process (as before distribution)
+        info["world_size"] = distiller.group.size()
+    meta = {"mlx_kvlingo_checkpoint": json.dumps(info)}
     _atomic_save_arrays(path, distiller.state_arrays(), meta)
 
 
@@ -170,6 +174,8 @@ def train(
     resume: bool = False,
     progress: Optional[Callable[[dict], None]] = None,
     corpus_id: str = "",
+    group=None,
+    peer_timeout: float = 0,
 ) -> dict:
     """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
 
@@ -182,16 +188,28 @@ def train(
 
     Returns a summary: steps done, skipped steps, the last evaluation, whether the
     run was stopped early (then resumable with ``resume=True``).
+
+    ``group``: an ``mx.distributed`` group when launched on several processes (every
+    rank calls this with the same arguments and the same starting translator);
+    ``progress`` is then called on rank 0 only. ``peer_timeout``: seconds one step
+    may take before this rank gives up on the others (see distributed.Watchdog).
     """
     paths = _paths(out)
-    paths["translator"].parent.mkdir(parents=True, exist_ok=True)
+    writer = distributed.is_writer(group)
+    positions = None
+    if group is not None:
+        positions = distributed.micro_batch_positions(pair_data.micro_batches(config), group)
+    if writer:
+        paths["translator"].parent.mkdir(parents=True, exist_ok=True)
+    else:
+        progress = None
     if resume:
-        distiller = _resume(paths, target, config)
+        distiller = _resume(paths, target, config, group)
     else:
         if translator is None:
             raise KvlingoError("A starting translator (the stage-1 fit) is needed.")
-        distiller = Distiller(translator, target, config.distill)
-        if paths["log"].exists():
+        distiller = Distiller(translator, target, config.distill, group)
+        if writer and paths["log"].exists():
             paths["log"].unlink()
 
     store = None
@@ -200,16 +218,21 @@ def train(
 
         key = store_key(source, target, distiller.base, config,
                         f"{corpus_id}:{corpus_digest(pair_data)}")
-        store = FeatureStore(paths["store"], key, config.store_pool,
+        store_dir = paths["store"]
+        if group is not None:  # each rank keeps its own share of every pool step
+            part = f"rank{group.rank()}of{group.size()}"
+            key["part"] = part
+            store_dir = store_dir.with_name(f"{store_dir.name}-{part}")
+        store = FeatureStore(store_dir, key, config.store_pool,
                              config.distill.teacher_topk,
                              log=lambda m: progress and progress({"message": m}))
 
     def step_batches(step: int):
         if store is None:
-            return pair_data.step_batches(source, target, distiller.base, config, step)
+            return pair_data.step_batches(source, target, distiller.base, config, step, group)
         return store.get(
             store.pool_step(step, config.distill.seed),
-            lambda v: pair_data.step_batches(source, target, distiller.base, config, v),
+            lambda v: pair_data.step_batches(source, target, distiller.base, config, v, group),
         )
 
     eval_context = config.eval_context or max(config.context_lengths)
@@ -222,20 +245,31 @@ def train(
     stopped = False
     last_eval = None
     t_run = time.perf_counter()
-    with open(paths["log"], "a") as log, StopRequested() as stop:
-        if distiller.step == 0 and config.eval_every:
+    log_path = paths["log"] if writer else os.devnull
+    saved = distiller.step  # the step of the checkpoint a failure falls back to
+    watchdog = distributed.Watchdog(peer_timeout, group)
+    with open(log_path, "a") as log, StopRequested() as stop, watchdog:
+        if distiller.step == 0 and config.eval_every and writer:
             # The starting point (the stage-1 fit), for comparison.
             last_eval = {"step": 0, "eval": evaluate().to_dict()}
             log.write(json.dumps(last_eval) + "\n")
             if progress:
                 progress(last_eval)
         while distiller.step < config.distill.steps:
+            watchdog.hint = _resume_hint(paths, saved)
+            watchdog.arm(f"step {distiller.step + 1}")
             t0 = time.perf_counter()
             batches = step_batches(distiller.step)
             t1 = time.perf_counter()
-            loss, applied = distiller.train_step(batches)
+            with distributed.collective_errors(
+                group, f"averaging the gradients of step {distiller.step + 1}",
+                _resume_hint(paths, saved),
+            ):
+                loss, applied = distiller.train_step(batches, positions)
             t2 = time.perf_counter()
             tokens = sum(b.tokens for b in batches)
+            if group is not None:  # the whole step's: its micro-batches are equally long
+                tokens = tokens * pair_data.micro_batches(config) // len(batches)
             record = {
                 "step": distiller.step,
                 "loss": loss,
@@ -250,7 +284,7 @@ def train(
             if progress:
                 progress(record)
             done = distiller.step
-            if config.eval_every and (
+            if writer and config.eval_every and (
                 done % config.eval_every == 0 or done == config.distill.steps
             ):
                 fid = evaluate()
@@ -258,16 +292,30 @@ def train(
                 log.write(json.dumps(last_eval) + "\n")
                 if progress:
                     progress(last_eval)
-            if done % config.checkpoint_every == 0 or stop.requested:
+            stop_now = stop.requested
+            if group is not None:  # a stop reaching one rank stops all at this step
+                with distributed.collective_errors(group, f"finishing step {done}",
+                                                   _resume_hint(paths, saved)):
+                    # Not written back into stop.requested: a signal landing during
+                    # the collective must not be lost; the next step agrees on it.
+                    stop_now = distributed.any_rank(stop.requested, group)
+            watchdog.disarm()
+            if done % config.checkpoint_every == 0 or stop_now:
                 log.flush()
-                _save_all(paths, distiller, config)
-            if stop.requested:
+                if writer:
+                    _save_all(paths, distiller, config)
+                saved = done
+            if stop_now:
                 stopped = True
                 break
         log.flush()
-    if not stopped:
-        _save_all(paths, distiller, config)
-    write_plot(paths["log"], paths["plot"])
+    if writer:
+        if not stopped:
+            _save_all(paths, distiller, config)
+        write_plot(paths["log"], paths["plot"])
+    # No rank leaves before rank 0's files are whole: mlx.launch ends the others as
+    # soon as one process exits with a non-zero status (as a stopped run does).
+    distributed.barrier(group, "waiting for rank 0 to write the translator")
     return {
         "steps": distiller.step,
         "skipped": distiller.skipped,
@@ -278,11 +326,45 @@ def train(
     }
 
 
-def _resume(paths, target, config: RunConfig) -> Distiller:
+def _resume_hint(paths, step: int) -> str:
+    if not step:
+        return "No checkpoint was written yet: start the run again."
+    return (f"The checkpoint of step {step} ({paths['checkpoint']}) is intact: run the "
+            "same mlx.launch command with --resume, with the same number of processes.")
+
+
+def _read_checkpoint(paths, group):
+    """(arrays, info) of the checkpoint, read by the writer and sent to every rank
+    (on several machines only rank 0 has the file)."""
+    found = None
+    if distributed.is_writer(group):
+        try:
+            if not paths["checkpoint"].exists():
+                raise KvlingoError(f"Cannot resume: no checkpoint at {paths['checkpoint']}.")
+            arrays, info = load_checkpoint(paths["checkpoint"])
+            found = {"info": info}
+        except KvlingoError as e:
+            found = {"error": str(e)}
+    found = distributed.broadcast_json(found, group)
+    if "error" in found:
+        raise KvlingoError(found["error"])
+    if group is None:
+        return arrays, found["info"]
+    return distributed.broadcast_arrays(arrays if distributed.is_writer(group) else None,
+                                        group), found["info"]
+
+
+def _resume(paths, target, config: RunConfig, group=None) -> Distiller:
     """Rebuild the Distiller exactly as it was at the last checkpoint."""
-    if not paths["checkpoint"].exists():
-        raise KvlingoError(f"Cannot resume: no checkpoint at {paths['checkpoint']}.")
-    arrays, info = load_checkpoint(paths["checkpoint"])
+    arrays, info = _read_checkpoint(paths, group)
+    ranks, now = info.get("world_size", 1), distributed.size(group)
+    if ranks != now:
+        raise KvlingoError(
+            f"Cannot resume: checkpoint {paths['checkpoint']} was written by a run of "
+            f"{ranks} process(es) and this run has {now}. Resume with the same number "
+            f"(mlx.launch -n {ranks} ...{'' if ranks > 1 else ', or without mlx.launch'}): "
+            "each process's share of the samples and its feature store depend on it."
+        )
     if info["config"] != config.to_dict():
         raise KvlingoError(
             "Cannot resume: the run's settings differ from the checkpoint's "
@@ -290,10 +372,11 @@ def _resume(paths, target, config: RunConfig) -> Distiller:
         )
     translator = Translator(TranslatorSpec.from_json(info["spec"]))
     translator.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("base.")])
-    distiller = Distiller(translator, target, config.distill)
+    distiller = Distiller(translator, target, config.distill, group)
     distiller.load_state_arrays(arrays)
     distiller.step, distiller.skipped = info["step"], info["skipped"]
-    _truncate_log(paths["log"], distiller.step)
+    if distributed.is_writer(group):
+        _truncate_log(paths["log"], distiller.step)
     return distiller
 
 
