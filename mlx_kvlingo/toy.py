@@ -230,6 +230,25 @@ def _build_model(config: dict, seed: int):
     return model
 
 
+def context_benefit(model, stream, windows: int = 16, context_len: int = 256,
+                    continuation_len: int = 64, seed: int = 12345):
+    """(NLL with no context, NLL after ``context_len`` tokens of context) in
+    nats/token, on the same ``continuation_len`` tokens of ``windows`` windows of
+    ``stream`` (the first continuation token is not scored: it has no context in
+    the second case). A cheap probe of whether a model looks back, for logging
+    during training; benchmarks/builtin_pair.py measures the real thing."""
+    from .samples import sample_windows
+
+    w = sample_windows(stream, context_len + continuation_len, windows, random.Random(seed))
+    scored = continuation_len - 1
+
+    def nll(x):
+        logits = model(x[:, :-1]).astype(mx.float32)[:, -scored:]
+        return nn.losses.cross_entropy(logits, x[:, -scored:], reduction="mean").item()
+
+    return nll(w[:, -continuation_len:]), nll(w)
+
+
 def train_language_model(
     model,
     stream,
@@ -239,8 +258,13 @@ def train_language_model(
     lr: float = 3e-3,
     seed: int = 0,
     log: Optional[Callable[[str], None]] = None,
+    probe_stream=None,
+    probe_every: int = 200,
 ):
-    """Next-token training with AdamW and a cosine schedule; returns the final loss."""
+    """Next-token training with AdamW and a cosine schedule; returns the final loss.
+    With ``probe_stream`` (held-out tokens), logs context_benefit on it every
+    ``probe_every`` steps: the curve that shows whether copying from context has
+    been learned yet (it appears abruptly, if at all)."""
     schedule = optim.join_schedules(
         [optim.linear_schedule(1e-5, lr, max(steps // 20, 1)), optim.cosine_decay(lr, steps)],
         [max(steps // 20, 1)],
@@ -273,6 +297,10 @@ def train_language_model(
         mx.eval(state)
         if log and (i % 50 == 0 or i == steps - 1):
             log(f"  step {i + 1}/{steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+        if log and probe_stream is not None and ((i + 1) % probe_every == 0 or i == steps - 1):
+            none, ctx = context_benefit(model, probe_stream)
+            log(f"  step {i + 1}/{steps} held-out NLL {none:.3f} without context, {ctx:.3f} "
+                f"with; context benefit {none - ctx:.3f} nats/token")
     return float(loss.item())
 
 
@@ -321,6 +349,9 @@ def build_toy_pair(
     log: Optional[Callable[[str], None]] = print,
     recurring: bool = False,
     copy_fraction: float = 0.5,
+    start_from: Optional[Path] = None,
+    lr: float = 3e-3,
+    batch_size: int = 8,
 ):
     """Train the tokenizer and both models into ``out``/{tokenizer,source,target}.
 
@@ -328,20 +359,33 @@ def build_toy_pair(
     By default this is the shipped pair's recipe (plain docstrings); it gains only
     ~0.1 nats/token from 256 tokens of context. ``recurring=True`` trains on
     recurring documents mixed with the copy task instead (training_stream), meant
-    to teach the models to look back; measured here, not enough yet: the source
-    after 1,000 steps on recurring text alone gained 0.07 nats/token, and a
-    narrower one (hidden 96) after 600 steps with half copy task 0.08.
+    to teach the models to look back, and logs the held-out context benefit as it
+    goes; ``start_from`` (a pair's directory, e.g. ASSET_DIR) continues from that
+    pair's weights and tokenizer instead of starting from scratch.
+
+    Not enough yet, measured here (benchmarks/results/builtin-pair-training.md):
+    from scratch, the source after 1,000 steps on recurring text alone gained
+    0.07 nats/token, a narrower one (hidden 96) after 600 steps with half copy
+    task 0.08; continuing the shipped pair (batch 4 x 256, lr 2e-3, a quarter of
+    the rows copy task), the source still gained 0.10 after 1,100 steps and the
+    target 0.07 after 700, the source 0.08 after 4,100, with the copy task itself
+    at chance throughout: no sign of the abrupt onset of copying (induction) that
+    small transformers show, within what this machine could afford.
     """
     src_dir, tgt_dir = out / "source", out / "target"
     log = log or (lambda s: None)
     train_docs, _ = split_documents(stdlib_documents())
     tok_dir = out / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
+    if start_from is not None:
+        tok_dir = Path(start_from) / "source"
+    elif not (tok_dir / "tokenizer.json").exists():
         log("Training a byte-level BPE tokenizer on the standard library's docstrings ...")
         build_tokenizer(train_docs, tok_dir)
     tokenizer = load_tokenizer(tok_dir)
+    probe = None
     if recurring:
         stream = training_stream(tokenizer, copy_fraction)
+        probe = token_stream(tokenizer, toy_corpus()[1])
     else:  # how the shipped pair was trained
         stream = token_stream(tokenizer, train_docs)
     for seed, (role, out_dir) in enumerate((("source", src_dir), ("target", tgt_dir))):
@@ -351,7 +395,11 @@ def build_toy_pair(
         log(f"Training the {role} model ({config['model_type']}, "
             f"{config['num_hidden_layers']} layers) for {steps} steps ...")
         model = _build_model(config, seed=seed)
-        train_language_model(model, stream, steps, seed=seed, log=log)
+        if start_from is not None:
+            model.load_weights(str(Path(start_from) / role / "model.safetensors"))
+            model.set_dtype(mx.float32)
+        train_language_model(model, stream, steps, batch_size=batch_size, lr=lr, seed=seed,
+                             log=log, probe_stream=probe)
         model.set_dtype(save_dtype)
         save_model_dir(model, config, tok_dir, out_dir)
     return src_dir, tgt_dir

@@ -62,3 +62,36 @@ def test_paired_difference_sees_a_small_consistent_gain_that_unpaired_spread_hid
     ca, cb = cbr_interval(a), cbr_interval(b)
     assert cb.low < ca.high  # unpaired intervals overlap
     assert paired_cbr_difference(b, a).high < 0
+
+
+def test_context_benefit_scores_the_same_tokens_with_and_without_context():
+    """A model that predicts the next token exactly once it has seen 64 tokens, and
+    knows nothing before: with 256 tokens of context it is right on every scored
+    token, without context on none, so the benefit is the whole ln(vocab)."""
+    import math
+
+    import mlx.core as mx
+
+    vocab = 50
+
+    def oracle(x):  # the stream counts up: the next token is x + 1 (mod vocab)
+        right = mx.eye(vocab)[(x + 1) % vocab] * 40.0
+        late = (mx.arange(x.shape[1]) >= 64)[None, :, None]
+        return mx.where(late, right, mx.zeros_like(right))
+
+    stream = [i % vocab for i in range(5000)]
+    none, ctx = toy.context_benefit(oracle, stream, windows=4)
+    assert none == pytest.approx(math.log(vocab), abs=1e-3)
+    assert ctx == pytest.approx(0.0, abs=1e-3)
+
+
+def test_training_logs_the_heldout_context_benefit():
+    from tiny import tiny_model
+
+    model = tiny_model("llama")
+    stream = [i % 97 for i in range(4000)]
+    lines = []
+    toy.train_language_model(model, stream, steps=4, seq_len=32, batch_size=2,
+                             log=lines.append, probe_stream=stream, probe_every=2)
+    probes = [line for line in lines if "context benefit" in line]
+    assert len(probes) == 2 and "step 2/4" in probes[0] and "step 4/4" in probes[1]
