@@ -409,6 +409,15 @@ def train(
     _run(go)
 
 
+def _layer0_settings(option: str, translator) -> List[bool]:
+    """The --native-layer0 settings to score a translator with."""
+    words = [w.strip() for w in option.split(",") if w.strip()]
+    known = {"on": True, "off": False, "file": translator.spec.native_layer0}
+    if not words or any(w not in known for w in words):
+        raise KvlingoError(f"--native-layer0 takes on, off, off,on or file; got {option!r}.")
+    return list(dict.fromkeys(known[w] for w in words))
+
+
 @app.command("eval")
 def eval_cmd(
     source: str = typer.Option(..., help="Source model."),
@@ -423,6 +432,10 @@ def eval_cmd(
     native_tail: str = typer.Option(
         "0", help="Comma-separated numbers of last context tokens the target computes "
         "itself on top of the translated cache (each is scored on the same windows)."),
+    native_layer0: str = typer.Option(
+        "file", help="Layer 0 computed by the target itself instead of translated: "
+        "'on', 'off', 'off,on' (both, scored on the same windows) or 'file' (as the "
+        "translator file records)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
@@ -433,7 +446,12 @@ def eval_cmd(
     def go():
         _warn_if_slow_blas()
         lengths = _int_list(context_lengths)
-        translators = [load_translator(p) for p in translator]
+        paths, translators = [], []
+        for p in translator:
+            t = load_translator(p)
+            for on in _layer0_settings(native_layer0, t):
+                paths.append(p)
+                translators.append(t.with_native_layer0(on))
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         for t in translators:
             t.check_models(src, tgt, src_tok, tgt_tok)
@@ -449,11 +467,13 @@ def eval_cmd(
                 r.append(f)
         entries = []
         for i, r in enumerate(rows):
-            path, t, m = translator[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
-            typer.echo(f"\n{path} (native tail {m}):")
+            path, t, m = paths[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
+            layer0 = ", layer 0 native" if t.spec.native_layer0 else ""
+            typer.echo(f"\n{path} (native tail {m}{layer0}):")
             typer.echo(format_table(r))
             entries.append({
                 "translator": str(path), "training": t.spec.training, "native_tail": m,
+                "native_layer0": t.spec.native_layer0,
                 "native_prefix": t.spec.native_prefix, "alignment": t.spec.alignment,
                 "results": {str(f.context_len): f.to_dict() for f in r},
             })
