@@ -346,6 +346,11 @@ def train(
         None, help="Whole-run time budget (e.g. 1h, 45m, 3600): stage 2's step count is "
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
         "(--steps is then ignored)."),
+    native_layer0: Optional[bool] = typer.Option(
+        None, "--native-layer0/--no-native-layer0",
+        help="The target computes layer 0 itself (exact) instead of translating it; "
+        "stage 2 then trains the other layers around it, and the file records it "
+        "(default: off for a new translator, as recorded for --init)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
 ):
     """Train a translator: stage 1 (closed form) then stage 2 (distillation)."""
@@ -378,6 +383,7 @@ def train(
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
                 candidates_beside=out,
             )
+            translator.spec.native_layer0 = bool(native_layer0)
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
                        f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
@@ -387,6 +393,8 @@ def train(
                 return
         elif not resume:
             translator = load_translator(init or out)
+            if native_layer0 is not None:
+                translator.spec.native_layer0 = native_layer0
             translator.check_models(src, tgt, src_tok, tgt_tok)
         pair = _pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
