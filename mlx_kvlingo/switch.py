@@ -243,7 +243,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
             keys, values = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
             set_layer(c, keys, values, hi, hi - first)
-            _phase(phases, "native_layer0_s", [keys, values])
+            _phase(phases, "native_prefix_s", [keys, values])  # target-computed K/V
             if phases is None:
                 mx.async_eval(c.keys, c.values)
             continue
