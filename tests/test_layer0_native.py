@@ -184,3 +184,22 @@ def test_the_file_records_native_layer0(pair, tmp_path):
     mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, {METADATA_KEY: json.dumps(spec)})
     with pytest.raises(TranslatorFileError, match="native_layer0"):
         load_translator(tmp_path / "bad.safetensors")
+
+
+def test_eval_scores_both_settings_on_the_same_windows(pair):
+    from mlx_kvlingo.evaluate import cbr_difference, evaluate_translators
+    from mlx_kvlingo_cli.main import _layer0_settings
+
+    src, tgt, t = pair
+    assert _layer0_settings("file", t) == [False]
+    assert _layer0_settings("off,on", t) == [False, True]
+    with pytest.raises(Exception, match="native-layer0"):
+        _layer0_settings("maybe", t)
+    variants = [t.with_native_layer0(on) for on in _layer0_settings("off,on", t)]
+    windows = [_tokens(24, batch=2, seed=10)]
+    off, on = evaluate_translators(src, tgt, variants, windows, context_len=18)
+    assert (off.native_layer0, on.native_layer0) == (False, True)
+    assert off.nll_native == on.nll_native and off.nll_none == on.nll_none  # same windows
+    assert off.nll_translated != on.nll_translated
+    d, (lo, hi) = cbr_difference(on, off)
+    assert lo <= d <= hi
