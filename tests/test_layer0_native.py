@@ -203,3 +203,22 @@ def test_eval_scores_both_settings_on_the_same_windows(pair):
     assert off.nll_translated != on.nll_translated
     d, (lo, hi) = cbr_difference(on, off)
     assert lo <= d <= hi
+
+
+def test_eval_command_reports_both_settings(toy_pair_dirs, tmp_path):
+    from mlx_kvlingo.models import load
+
+    from test_cli import run_cli
+
+    (src, stok), (tgt, ttok) = load(toy_pair_dirs[0]), load(toy_pair_dirs[1])
+    path = tmp_path / "t.safetensors"
+    Translator.for_models(src, tgt, stok, ttok).save(path)
+    report = tmp_path / "report.json"
+    run_cli("eval", "--source", toy_pair_dirs[0], "--target", toy_pair_dirs[1], "--translator",
+            path, "--context-lengths", "24", "--continuation-len", "8", "--windows", "2",
+            "--native-layer0", "off,on", "--json", report)
+    entries = json.loads(report.read_text())["translators"]
+    assert [e["native_layer0"] for e in entries] == [False, True]
+    off, on = (e["results"]["24"] for e in entries)
+    assert off["nll_native"] == on["nll_native"] and off["nll_translated"] != on["nll_translated"]
+    assert on["attention_cosine"][0] == pytest.approx(1.0, abs=1e-4)  # layer 0 is the target's own
