@@ -100,6 +100,8 @@ def main():
     ap.add_argument("--corpora", default="stdlib,austen")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--note", default="", help="Conditions to state in the report.")
+    ap.add_argument("--summary", type=Path, default=None,
+                    help="A markdown file with the conclusions, placed after the header.")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     import mlx.core as mx
@@ -127,6 +129,8 @@ def main():
             "CBR = (NLL none - NLL translated) / (NLL none - NLL native) over all windows' "
             "tokens; intervals are percentile bootstraps over windows (2000 draws); "
             "differences are paired on identical windows.", ""]
+    if args.summary:
+        head += [args.summary.read_text().strip(), ""]
     (args.out / "layer0-native.md").write_text("\n".join(head + md) + "\n")
     meta = dict(machine=machine, settings=SETTINGS, note=args.note)
     (args.out / "layer0-native.json").write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
