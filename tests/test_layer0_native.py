@@ -222,3 +222,17 @@ def test_eval_command_reports_both_settings(toy_pair_dirs, tmp_path):
     off, on = (e["results"]["24"] for e in entries)
     assert off["nll_native"] == on["nll_native"] and off["nll_translated"] != on["nll_translated"]
     assert on["attention_cosine"][0] == pytest.approx(1.0, abs=1e-4)  # layer 0 is the target's own
+
+
+def test_prompt_cache_conversion_needs_the_ids_for_native_layer0(pair):
+    from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo.prompt_cache import convert_prompt_cache
+
+    src, tgt, _ = pair
+    t = Translator.for_models(src, tgt, native_prefix=0).with_native_layer0(True)
+    tokens = _tokens(12, batch=1, seed=11)
+    cache = prefill(src, tokens)
+    with pytest.raises(KvlingoError, match="layer 0"):
+        convert_prompt_cache(src, tgt, t, cache)
+    out = convert_prompt_cache(src, tgt, t, cache, tokens=tokens[0].tolist())
+    assert _layer_diff(out, prefill(tgt, tokens), 0) < 1e-5
