@@ -415,6 +415,11 @@ def train(
         None, help="Whole-run time budget (e.g. 1h, 45m, 3600): stage 2's step count is "
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
         "(--steps is then ignored)."),
+    native_layer0: Optional[bool] = typer.Option(
+        None, "--native-layer0/--no-native-layer0",
+        help="The target computes layer 0 itself (exact) instead of translating it; "
+        "stage 2 then trains the other layers around it, and the file records it "
+        "(default: off for a new translator, as recorded for --init)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
     peer_timeout: float = typer.Option(
         1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
@@ -461,6 +466,7 @@ def train(
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
                 candidates_beside=out, group=group, pair=pair,
             )
+            translator.spec.native_layer0 = bool(native_layer0)
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
                        f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
@@ -471,6 +477,9 @@ def train(
                 return
         elif not resume:
             translator = _starting_translator(init or out, src, tgt, src_tok, tgt_tok, group)
+            if native_layer0 is not None:
+                translator.spec.native_layer0 = native_layer0
+                translator.check_models(src, tgt, src_tok, tgt_tok)  # a supported target?
         pair = pair or _pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
             steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
@@ -503,6 +512,15 @@ def train(
     _run(go)
 
 
+def _layer0_settings(option: str, translator) -> List[bool]:
+    """The --native-layer0 settings to score a translator with."""
+    words = [w.strip() for w in option.split(",") if w.strip()]
+    known = {"on": True, "off": False, "file": translator.spec.native_layer0}
+    if not words or any(w not in known for w in words):
+        raise KvlingoError(f"--native-layer0 takes on, off, off,on or file; got {option!r}.")
+    return list(dict.fromkeys(known[w] for w in words))
+
+
 @app.command("eval")
 def eval_cmd(
     source: str = typer.Option(..., help="Source model."),
@@ -517,6 +535,10 @@ def eval_cmd(
     native_tail: str = typer.Option(
         "0", help="Comma-separated numbers of last context tokens the target computes "
         "itself on top of the translated cache (each is scored on the same windows)."),
+    native_layer0: str = typer.Option(
+        "file", help="Layer 0 computed by the target itself instead of translated: "
+        "'on', 'off', 'off,on' (both, scored on the same windows) or 'file' (as the "
+        "translator file records)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
@@ -527,7 +549,12 @@ def eval_cmd(
     def go():
         _warn_if_slow_blas()
         lengths = _int_list(context_lengths)
-        translators = [load_translator(p) for p in translator]
+        paths, translators = [], []
+        for p in translator:
+            t = load_translator(p)
+            for on in _layer0_settings(native_layer0, t):
+                paths.append(p)
+                translators.append(t.with_native_layer0(on))
         src, src_tok, tgt, tgt_tok = _load_pair(source, target)
         for t in translators:
             t.check_models(src, tgt, src_tok, tgt_tok)
@@ -543,11 +570,13 @@ def eval_cmd(
                 r.append(f)
         entries = []
         for i, r in enumerate(rows):
-            path, t, m = translator[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
-            typer.echo(f"\n{path} (native tail {m}):")
+            path, t, m = paths[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
+            layer0 = ", layer 0 native" if t.spec.native_layer0 else ""
+            typer.echo(f"\n{path} (native tail {m}{layer0}):")
             typer.echo(format_table(r))
             entries.append({
                 "translator": str(path), "training": t.spec.training, "native_tail": m,
+                "native_layer0": t.spec.native_layer0,
                 "native_prefix": t.spec.native_prefix, "alignment": t.spec.alignment,
                 "results": {str(f.context_len): f.to_dict() for f in r},
             })

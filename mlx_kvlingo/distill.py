@@ -25,7 +25,15 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import distributed
-from .models import append_layer, build_cache, last_logits, prefill, read_layer, token_features
+from .models import (
+    append_layer,
+    build_cache,
+    last_logits,
+    layer0_features,
+    prefill,
+    read_layer,
+    token_features,
+)
 from .translator import Translator
 
 
@@ -183,14 +191,25 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
 
 def translated_cache(target, maps, batch: Batch):
     """The target cache built from the maps' output (differentiable in the maps):
-    the native prefix, then the translated positions up to the native tail."""
+    the native prefix, then the translated positions up to the native tail. With
+    the translator's ``native_layer0`` layer 0 is the target's own (exact, no
+    gradient), so training spends itself on the layers that are translated."""
     cache = make_prompt_cache(target)
     for c, (pk, pv) in zip(cache, batch.prefix):
         append_layer(c, pk, pv, 0, batch.n_native)
     n = batch.context.shape[1] - 1 - batch.n_native - batch.native_tail
     cut = lambda xs: [x[:, :n] if x is not None else None for x in xs]  # noqa: E731
     keys, values = maps(cut(batch.src_keys), cut(batch.src_values))
+    if _spec(maps).native_layer0:
+        keys[0], values[0] = layer0_features(
+            target, batch.context[:, batch.n_native : batch.n_native + n])
     return build_cache(target, keys, values, start=batch.n_native, cache=cache)
+
+
+def _spec(maps):
+    """The translator spec behind trainable maps (a Translator or LowRankMaps)."""
+    spec = getattr(maps, "spec", None)
+    return spec if spec is not None else maps.base.spec
 
 
 def kl_loss(maps, target, batch: Batch):

@@ -38,6 +38,7 @@ class Fidelity:
     kl_none: float  # KL(native ‖ no context), the naive baseline
     top1: float  # fraction of positions where argmax agrees with native
     native_tail: int = 0  # last context tokens the target computed itself
+    native_layer0: bool = False  # layer 0 computed by the target, not translated
     # Per target layer: cosine between the attention outputs for the continuation
     # with the native and with the translated context K/V, same queries (a better
     # predictor of retention than R², DESIGN §7). Mean over tokens and windows.
@@ -135,10 +136,11 @@ def _kl(p_log: mx.array, q_log: mx.array) -> mx.array:
 class _Totals:
     """Per-token sums over scored continuations."""
 
-    def __init__(self, native_tail: int = 0):
+    def __init__(self, native_tail: int = 0, native_layer0: bool = False):
         self.sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
         self.n = 0
         self.native_tail = native_tail
+        self.native_layer0 = native_layer0
         self.windows: List[dict] = []
         self.cosine_sum: Optional[List[float]] = None
         self.cosine_n = 0
@@ -190,6 +192,7 @@ class _Totals:
             kl_none=s["kl_none"] / n,
             top1=s["top1"] / n,
             native_tail=self.native_tail,
+            native_layer0=self.native_layer0,
             windows=self.windows,
             attention_cosine=[c / self.cosine_n for c in self.cosine_sum or []],
         )
@@ -251,7 +254,9 @@ def attention_cosine(target, recorded, cache) -> List[float]:
 
 
 def _variants(translators, native_tails: Sequence[int]) -> List[Tuple[object, int]]:
-    """Every translator with every native tail, translator-major."""
+    """Every translator with every native tail, translator-major. (To score a
+    translator with and without native layer 0 on the same windows, pass both
+    ``t.with_native_layer0(False)`` and ``t.with_native_layer0(True)``.)"""
     return [(t, m) for t in translators for m in native_tails]
 
 
@@ -261,7 +266,7 @@ def evaluate_translators(
     """Score several translators (each with each native tail) on the same windows;
     the native and no-context passes are computed once per window."""
     variants = _variants(translators, native_tails)
-    totals = [_Totals(m) for _, m in variants]
+    totals = [_Totals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
     for tokens in windows:
         context, continuation = tokens[:, :context_len], tokens[:, context_len:]
 
@@ -293,7 +298,7 @@ def evaluate_aligned(
     one sample at a time). The no-context baseline keeps the target's leading
     special tokens (e.g. Gemma's BOS, without which it is off distribution)."""
     variants = _variants(translators, native_tails)
-    totals = [_Totals(m) for _, m in variants]
+    totals = [_Totals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
     for s in samples:
         context = mx.array(s.alignment.target_tokens)[None]
         continuation = mx.array(s.continuation)[None]

@@ -406,6 +406,76 @@ def rotate_planes(x: mx.array, planes: Tuple[mx.array, mx.array], traditional: b
 
 
 # ---------------------------------------------------------------------------
+# Layer 0 computed by the target itself
+#
+# Layer 0's input is the token embedding itself, so its keys and values depend only
+# on each token and its position: a target can compute them exactly for the cost
+# of an embedding lookup and two small projections per token, no attention and no
+# other layer. This is architecture knowledge (what happens between the embedding
+# and the k/v projections), so it lives here, for the model types whose layer 0
+# reads ``input_layernorm(embed(tokens) * scale)`` and stores
+# ``rope(k_norm(k_proj(x)))`` and ``v_proj(x)``, k_norm where the attention has one
+# (mlx-lm's llama, mistral, qwen2, qwen3, gemma3_text).
+
+NATIVE_LAYER0_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def supports_native_layer0(model: nn.Module) -> bool:
+    return getattr(model, "model_type", None) in NATIVE_LAYER0_TYPES and hasattr(model, "model")
+
+
+def _embedding_scale(model: nn.Module, h: mx.array):
+    """The factor mlx-lm multiplies the embeddings by before layer 0, or None.
+    Gemma scales by sqrt(hidden_size) rounded to bfloat16, exactly as its model does."""
+    if model.model_type == "gemma3_text":
+        return mx.array(model.model.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+    return None
+
+
+def _layer0_heads(model: nn.Module, tokens: mx.array):
+    """Layer 0's keys (after k-norm, before rope) and values of ``tokens`` [B, T],
+    as [B, heads, T, head_dim] in the model's dtype."""
+    if not supports_native_layer0(model):
+        raise UnsupportedModel(
+            f"{model_name(model)}: computing layer 0 natively is supported for "
+            f"{', '.join(NATIVE_LAYER0_TYPES)} models, not {getattr(model, 'model_type', '?')}."
+        )
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    body = model.model
+    h = body.embed_tokens(tokens)
+    scale = _embedding_scale(model, h)
+    if scale is not None:
+        h = h * scale
+    layer = body.layers[0]
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, T = tokens.shape
+    keys = attn.k_proj(x).reshape(B, T, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(B, T, attn.n_kv_heads, -1)
+    k_norm = getattr(attn, "k_norm", None)
+    if k_norm is not None:  # qwen3, gemma3: an RMSNorm over head_dim, before rope
+        keys = k_norm(keys)
+    return keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+
+
+def layer0_kv(model: nn.Module, tokens: mx.array, start: int = 0) -> Tuple[mx.array, mx.array]:
+    """Layer 0's keys and values of ``tokens`` ([B, T] or [T]) at positions
+    start..start+T-1, exactly as the model's own prefill stores them in its cache:
+    [B, heads, T, head_dim], keys rotated by the layer's own rope module."""
+    keys, values = _layer0_heads(model, tokens)
+    return model.layers[0].self_attn.rope(keys, offset=start), values
+
+
+def layer0_features(model: nn.Module, tokens: mx.array) -> Tuple[mx.array, mx.array]:
+    """Layer 0's content-space keys (no rotary position) and values of ``tokens``,
+    [B, T, heads*head_dim] as :func:`build_cache` takes them. They do not depend on
+    position at all."""
+    keys, values = _layer0_heads(model, tokens)
+    return _flatten_heads(keys), _flatten_heads(values)
+
+
+# ---------------------------------------------------------------------------
 # Reading and writing caches
 
 

@@ -223,8 +223,8 @@ def convert_prompt_cache(
 ) -> List:
     """A target prompt cache holding every position of the source prompt cache
     ``cache``: the first ``translator.spec.native_prefix`` computed by the target
-    from ``tokens`` (the cached token ids; needed only for those), the rest
-    translated. ``dtype``: cast the result (default: the target's dtype).
+    from ``tokens`` (the cached token ids; needed only for those, and for layer 0
+    when the translator computes it natively), the rest translated. ``dtype``: cast the result (default: the target's dtype).
 
     ``alignment``: for a cross-tokenizer translator, source -> target tokens of
     the cached text (:func:`cache_prompt_alignment`); the result holds the target's
@@ -254,6 +254,11 @@ def convert_prompt_cache(
             raise KvlingoError(
                 f"The translator computes the first {native} token(s) natively, so their "
                 "ids are needed: give the prompt that was cached."
+            )
+        if getattr(translator.spec, "native_layer0", False):
+            raise KvlingoError(
+                "The translator computes layer 0 natively from the token ids: give the "
+                "prompt that was cached."
             )
         tokens = [0] * n  # ids are not read when nothing is computed natively
     if len(tokens) != n:

@@ -30,6 +30,8 @@ from .models import (
     cache_features,
     cache_geometry,
     cache_length,
+    layer0_features,
+    layer0_kv,
     set_layer,
     max_positions,
     prefill,
@@ -99,6 +101,8 @@ def translate_aligned(
     ``native_tail``: the last m positions before ``end`` are computed by the target
     itself on top of the translated ones (None: the translator's default,
     ``spec.native_tail``). Spans of a conversation (Session, training) pass 0.
+    With ``spec.native_layer0`` the target computes layer 0 of every position
+    itself (models.layer0_kv) instead of translating it.
     """
     m = _native_tail(translator, native_tail)
     alignment = alignment.with_native_prefix(translator.spec.native_prefix)
@@ -157,8 +161,14 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
             keys = [k[:, rows] if k is not None else None for k in keys]
             values = [v[:, rows] if v is not None else None for v in values]
         tk, tv = translator(keys, values)
+        if _native_layer0(translator):  # computed by the target, not translated
+            tk[0], tv[0] = layer0_features(target, target_tokens[:, lo:hi])
         target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache)
     return target_cache
+
+
+def _native_layer0(translator) -> bool:
+    return getattr(translator.spec, "native_layer0", False)
 
 
 def _check_source_holds(source_cache, last: int):
@@ -200,20 +210,23 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
             spans.append((first, hi + min(room, max(lg.window - hi, 0))))
         else:
             spans.append((0, hi + room))
+    # Source layers each target layer reads; none for a layer the target computes.
+    layer_map = [[] if i == 0 and _native_layer0(translator) else layers
+                 for i, layers in enumerate(translator.spec.layer_map)]
     source_first = {}
-    for (first, _), layers in zip(spans, translator.spec.layer_map):
+    for (first, _), layers in zip(spans, layer_map):
         for j in layers:
             source_first[j] = min(source_first.get(j, first), first)
     top = max(last for _, last in spans)
     # Source positions per target position; prefix and free rows read any row.
     index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
     shared = all(i is None or i == p for p, i in enumerate(index))
-    last_use = {j: i for i, layers in enumerate(translator.spec.layer_map) for j in layers}
+    last_use = {j: i for i, layers in enumerate(layer_map) for j in layers}
     features = {}
     copies = _copy_stream() if phases is None else None
 
     def read_sources(i):
-        for j in translator.spec.layer_map[i]:
+        for j in layer_map[i]:
             if j not in features:
                 features[j] = _source_rows(source, source_cache, j, source_first[j],
                                            index[source_first[j] :], shared, copies)
@@ -223,7 +236,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     cache = make_prompt_cache(target)
     read_sources(0)
     in_flight = []
-    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, translator.spec.layer_map)):
+    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, layer_map)):
         first, last = spans[i]
         rows = last - first
         # async_eval returns at once: without a wait the loop would queue every
@@ -235,6 +248,13 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
             mx.eval(in_flight.pop(0))
         if i + 1 < len(cache):  # queued ahead, so it runs beside this layer's matmuls
             read_sources(i + 1)
+        if not layers:  # layer 0 computed by the target itself: exact, prefix included
+            keys, values = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
+            set_layer(c, keys, values, hi, hi - first)
+            _phase(phases, "native_prefix_s", [keys, values])  # target-computed K/V
+            if phases is None:
+                mx.async_eval(c.keys, c.values)
+            continue
         with _on(copies):  # several source layers per map: concatenated beside the matmuls
             xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
                           for j in layers])
@@ -273,6 +293,18 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
 
 
 _LAYERS_IN_FLIGHT = 2
+
+
+def _layer0_rows(target, tokens, first: int, hi: int, rows: int, dtype):
+    """A layer-0 cache buffer of ``rows`` rows: the target's own K/V of positions
+    first..hi-1, then free rows (zeros) for the tokens that come next."""
+    keys, values = layer0_kv(target, tokens[:, first:hi], first)
+    if rows > hi - first:
+        B, H, _, D = keys.shape
+        free = mx.zeros((B, H, rows - (hi - first), D), dtype)
+        keys = mx.concatenate([keys.astype(dtype), free], axis=2)
+        values = mx.concatenate([values.astype(dtype), free], axis=2)
+    return keys.astype(dtype), values.astype(dtype)
 
 
 def _phase(phases: Optional[dict], name: str, arrays):

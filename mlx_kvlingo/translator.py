@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,7 +23,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import TranslatorFileError, TranslatorMismatch
-from .models import CacheGeometry, cache_geometry, model_name, tokenizer_fingerprint
+from .models import (
+    CacheGeometry,
+    cache_geometry,
+    model_name,
+    supports_native_layer0,
+    tokenizer_fingerprint,
+)
 
 FORMAT_VERSION = 1
 METADATA_KEY = "mlx_kvlingo"
@@ -66,6 +72,10 @@ class TranslatorSpec:
     # Default number of trailing context tokens the target computes itself at a
     # switch (the "native tail", on top of the translated cache).
     native_tail: int = 0
+    # The target computes its layer-0 K/V itself instead of translating them (they
+    # depend only on each token and its position: exact, and cheap). The maps of
+    # layer 0 stay in the file, unused. Files written before this field: off.
+    native_layer0: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -123,6 +133,15 @@ class Translator(nn.Module):
         alignment = "shared" if s.tokenizer == t.tokenizer else "last_char"
         return cls(TranslatorSpec(s, t, layer_map, native_prefix, alignment=alignment))
 
+    def with_native_layer0(self, on: bool) -> "Translator":
+        """The same maps (shared, not copied) with layer 0 computed by the target
+        itself (``on``) or translated."""
+        if bool(on) == self.spec.native_layer0:
+            return self
+        t = Translator(replace(self.spec, native_layer0=bool(on)))
+        t.k_maps, t.v_maps = self.k_maps, self.v_maps
+        return t
+
     @property
     def cross_tokenizer(self) -> bool:
         return self.spec.alignment != "shared"
@@ -160,6 +179,11 @@ class Translator(nn.Module):
                         f"{role} tokenizer: vocabulary differs from the one the "
                         "translator was trained with"
                     )
+        if self.spec.native_layer0 and not supports_native_layer0(target):
+            problems.append(
+                f"the translator computes layer 0 natively, which is not supported for "
+                f"{getattr(target, 'model_type', '?')} targets"
+            )
         if source_tokenizer is not None and target_tokenizer is not None:
             same = tokenizer_fingerprint(source_tokenizer) == tokenizer_fingerprint(target_tokenizer)
             if same and self.cross_tokenizer:
@@ -294,6 +318,8 @@ def _validate_spec(spec: TranslatorSpec):
         raise TranslatorFileError(f"invalid native_prefix {spec.native_prefix!r}.")
     if not _is_count(spec.native_tail):
         raise TranslatorFileError(f"invalid native_tail {spec.native_tail!r}.")
+    if not isinstance(spec.native_layer0, bool):
+        raise TranslatorFileError(f"invalid native_layer0 {spec.native_layer0!r}.")
     for role in ("source", "target"):
         layers = getattr(spec, role).geometry["layers"]
         if not layers or not all(
