@@ -11,7 +11,8 @@ from mlx_lm.generate import GenerationResponse
 class TurnReport:
     """What one turn cost. ``prefilled`` counts every position the model computed
     itself before its first generated token: the turn's own new tokens
-    (``new_tokens``), translators' native prefix and spans without a translator."""
+    (``new_tokens``), translators' native prefix and native tail, and spans without a
+    translator."""
 
     index: int
     model: str
