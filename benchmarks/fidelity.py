@@ -103,9 +103,7 @@ def evaluate(key, source, target, work: Path, s: dict, corpus: str, run=True) ->
 def _fidelity(entry: dict, ctx: str):
     from mlx_kvlingo.evaluate import Fidelity
 
-    d = dict(entry["results"][ctx])
-    keep = set(Fidelity.__dataclass_fields__)
-    return Fidelity(**{k: v for k, v in d.items() if k in keep})
+    return Fidelity.from_dict(entry["results"][ctx])
 
 
 def _label(entry, labels):
@@ -113,7 +111,7 @@ def _label(entry, labels):
 
 
 def markdown(runs: list, meta: dict) -> str:
-    from mlx_kvlingo.evaluate import cbr_difference
+    from mlx_kvlingo.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
 
     lines = [f"# Fidelity: SmolLM2-135M-Instruct <-> Gemma 3 270M ({meta['mode']})", "",
              f"Machine: {meta['machine']}. Settings: {json.dumps(meta['settings'])}.",
@@ -126,20 +124,10 @@ def markdown(runs: list, meta: dict) -> str:
         for corpus, result in run["eval"].items():
             entries = result["translators"]
             lines += [f"## {run['name']}, held-out {corpus}", "",
-                      "| context | translator | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      MARKDOWN_HEAD[0].format("translator"), MARKDOWN_HEAD[1]]
             for ctx in sorted(entries[0]["results"], key=int):
-                f0 = _fidelity(entries[0], ctx)
-                lines.append(f"| {ctx} | native re-prefill | {f0.nll_native:.3f} | 100% | | 0 | 100% | |")
-                lines.append(f"| {ctx} | no context | {f0.nll_none:.3f} | 0% | | {f0.kl_none:.3f} | | |")
-                for e in entries:
-                    f = _fidelity(e, ctx)
-                    lo, hi = f.cbr_interval()
-                    lines.append(f"| {ctx} | {_label(e, labels)} | {f.nll_translated:.3f} | "
-                                 f"{f.cbr:.1%} | {lo:.1%}..{hi:.1%} | {f.kl:.3f} | {f.top1:.1%} | "
-                                 f"{f.attention_cosine_mean:.3f} ({f.attention_cosine_worst:.3f}) |")
-                lines.append(f"| {ctx} | *target's own context benefit: {f0.context_benefit:.3f} "
-                             f"nats/token, {len(f0.windows)} windows* | | | | | | |")
+                lines += markdown_rows(ctx, [(_label(e, labels), _fidelity(e, ctx))
+                                             for e in entries])
             lines += ["", "Paired differences (CBR points, 95% CI):", "",
                       "| context | change | difference | 95% CI |", "|---|---|---|---|"]
             for ctx in sorted(entries[0]["results"], key=int):

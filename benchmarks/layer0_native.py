@@ -45,8 +45,7 @@ def run_eval(key, source, target, file, corpus, work: Path) -> float:
 def _fidelity(entry: dict, ctx: str):
     from mlx_kvlingo.evaluate import Fidelity
 
-    keep = set(Fidelity.__dataclass_fields__)
-    return Fidelity(**{k: v for k, v in entry["results"][ctx].items() if k in keep})
+    return Fidelity.from_dict(entry["results"][ctx])
 
 
 def _name(e: dict) -> str:
@@ -55,25 +54,13 @@ def _name(e: dict) -> str:
 
 def section(title: str, result: dict) -> tuple:
     """Markdown lines and the paired differences of one evaluation."""
-    from mlx_kvlingo.evaluate import cbr_difference
+    from mlx_kvlingo.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
 
     entries = result["translators"]
-    lines = [f"## {title}", "",
-             "| context | cache | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"## {title}", "", MARKDOWN_HEAD[0].format("cache"), MARKDOWN_HEAD[1]]
     diffs = []
     for ctx in sorted(entries[0]["results"], key=int):
-        f0 = _fidelity(entries[0], ctx)
-        lines.append(f"| {ctx} | native re-prefill | {f0.nll_native:.3f} | 100% | | 0 | 100% | |")
-        lines.append(f"| {ctx} | no context | {f0.nll_none:.3f} | 0% | | {f0.kl_none:.3f} | | |")
-        for e in entries:
-            f = _fidelity(e, ctx)
-            lo, hi = f.cbr_interval()
-            lines.append(f"| {ctx} | {_name(e)} | {f.nll_translated:.3f} | {f.cbr:.1%} | "
-                         f"{lo:.1%}..{hi:.1%} | {f.kl:.3f} | {f.top1:.1%} | "
-                         f"{f.attention_cosine_mean:.3f} ({f.attention_cosine_worst:.3f}) |")
-        lines.append(f"| {ctx} | *target's own context benefit {f0.context_benefit:.3f} "
-                     f"nats/token, {len(f0.windows)} windows* | | | | | | |")
+        lines += markdown_rows(ctx, [(_name(e), _fidelity(e, ctx)) for e in entries])
         by = {(e["native_tail"], e["native_layer0"]): e for e in entries}
         for m in sorted({e["native_tail"] for e in entries}):
             if (m, True) in by and (m, False) in by:

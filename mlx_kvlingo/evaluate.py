@@ -73,6 +73,12 @@ class Fidelity:
         """Bootstrap interval of CBR over windows (CBR as a ratio of summed NLLs)."""
         return bootstrap_interval([self], lambda rows: _cbr_of(rows[0]), level, draws, seed)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fidelity":
+        """A row back from :meth:`to_dict` (e.g. an ``eval --json`` file); the
+        derived fields it added are dropped."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
     def to_dict(self) -> dict:
         d = asdict(self)
         lo, hi = self.cbr_interval() if len(self.windows) > 1 else (float("nan"),) * 2
@@ -332,6 +338,27 @@ def evaluate_pair(pair, source, target, translators, items, context_len: int,
 
     score = evaluate_aligned if isinstance(pair, AlignedText) else evaluate_translators
     return score(source, target, translators, items, context_len, native_tails)
+
+
+MARKDOWN_HEAD = ["| context | {} | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",
+                 "|---|---|---|---|---|---|---|---|"]
+
+
+def markdown_rows(context: int, labelled: Sequence[Tuple[str, Fidelity]]) -> List[str]:
+    """Markdown rows (see :data:`MARKDOWN_HEAD`) of one context length: native
+    re-prefill, no context, each (label, row) scored on the same windows, and the
+    target's own context benefit."""
+    f0 = labelled[0][1]
+    lines = [f"| {context} | native re-prefill | {f0.nll_native:.3f} | 100% | | 0 | 100% | |",
+             f"| {context} | no context | {f0.nll_none:.3f} | 0% | | {f0.kl_none:.3f} | | |"]
+    for label, f in labelled:
+        lo, hi = f.cbr_interval()
+        lines.append(f"| {context} | {label} | {f.nll_translated:.3f} | {f.cbr:.1%} | "
+                     f"{lo:.1%}..{hi:.1%} | {f.kl:.3f} | {f.top1:.1%} | "
+                     f"{f.attention_cosine_mean:.3f} ({f.attention_cosine_worst:.3f}) |")
+    lines.append(f"| {context} | *target's own context benefit: {f0.context_benefit:.3f} "
+                 f"nats/token, {len(f0.windows)} windows* | | | | | | |")
+    return lines
 
 
 def format_table(rows: List[Fidelity]) -> str:

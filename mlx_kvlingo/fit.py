@@ -158,6 +158,19 @@ def fit_stage1(
     return fit_features(translator, features(), ridge, progress, skip, group)
 
 
+def _accumulate(acc, features, skip: int, progress, group):
+    """Add every (source K, source V, target K, target V) batch of ``features`` to
+    ``acc`` (reporting positions to ``progress``), then sum it over ``group``'s ranks."""
+    for src_k, src_v, tgt_k, tgt_v in features:
+        before = acc.count
+        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
+        if progress is not None:
+            progress(acc.count - before)
+    if group is not None:
+        distributed.all_sum_moments(acc, group)
+    return acc
+
+
 def fit_features(
     translator: Translator,
     features: Iterable,
@@ -172,14 +185,7 @@ def fit_features(
     ``group`` (an ``mx.distributed`` group, see distributed.py): ``features`` is this
     rank's share; the moments are summed over ranks before the one solve."""
     t0 = time.perf_counter()
-    acc = MomentAccumulator(translator)
-    for src_k, src_v, tgt_k, tgt_v in features:
-        before = acc.count
-        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
-        if progress is not None:
-            progress(acc.count - before)
-    if group is not None:
-        distributed.all_sum_moments(acc, group)
+    acc = _accumulate(MomentAccumulator(translator), features, skip, progress, group)
     report = FitReport(tokens=acc.count)
     report.r2_keys, report.r2_values = acc.solve(ridge)
     report.seconds = time.perf_counter() - t0
@@ -304,14 +310,8 @@ def fit_selected(
     t0 = time.perf_counter()
     geo_s = translator.spec.source.cache_geometry.layers
     geo_t = translator.spec.target.cache_geometry.layers
-    acc = GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t])
-    for src_k, src_v, tgt_k, tgt_v in features:
-        before = acc.count
-        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
-        if progress is not None:
-            progress(acc.count - before)
-    if group is not None:
-        distributed.all_sum_moments(acc, group)
+    acc = _accumulate(GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t]),
+                      features, skip, progress, group)
     ranked = acc.ranked_layers(ridge)
     fitted = {}
     for k in candidates:

@@ -1,6 +1,5 @@
 """The conversation store and router behind `serve`, without sockets."""
 
-import mlx.core as mx
 import pytest
 
 from mlx_kvlingo.conversations import (
@@ -12,14 +11,7 @@ from mlx_kvlingo.conversations import (
 )
 from mlx_kvlingo.engine import Engine, QueueFull
 from mlx_kvlingo.session import Session
-from mlx_kvlingo.translator import Translator
-
-
-def identity(model, tok):
-    t = Translator.for_models(model, model, tok, tok)
-    for m in t.k_maps + t.v_maps:
-        m.weight = mx.eye(m.weight.shape[0])
-    return t
+from tiny import identity_translator
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +20,7 @@ def base(toy_pair):
     answers a native prefill gives, so conversations can be compared exactly."""
     m, tok = toy_pair[2], toy_pair[3]
     return Session({"a": (m, tok), "b": (m, tok)},
-                   {("a", "b"): identity(m, tok), ("b", "a"): identity(m, tok)})
+                   {("a", "b"): identity_translator(m, tok), ("b", "a"): identity_translator(m, tok)})
 
 
 def run(store, model, messages, **kw):

@@ -5,7 +5,7 @@ import pytest
 
 from mlx_kvlingo.gate import QualityGate, calibrate_threshold
 from mlx_kvlingo.session import Session
-from mlx_kvlingo.translator import Translator
+from tiny import identity_translator
 
 QUESTIONS = ["Return the sum of the items.", "Open the file and return a stream.",
              "Close the file.", "Raise ValueError if empty."]
@@ -16,10 +16,7 @@ def translators(model, tok, scale):
     0: every translated key and value is zero, a broken translation)."""
     out = {}
     for pair in (("a", "b"), ("b", "a")):
-        t = Translator.for_models(model, model, tok, tok)
-        for m in t.k_maps + t.v_maps:
-            m.weight = scale * mx.eye(m.weight.shape[0])
-        out[pair] = t
+        out[pair] = identity_translator(model, tok, scale=scale)
     return out
 
 

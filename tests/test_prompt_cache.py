@@ -22,6 +22,7 @@ from mlx_kvlingo.prompt_cache import (
 )
 from mlx_kvlingo.builtin_pair import stage1_translator
 from mlx_kvlingo.translator import Translator
+from tiny import identity_translator
 
 PROMPT = ("Return a new list containing all items from the iterable in ascending order. "
           "A custom key function can be supplied to customize the sort order, and the "
@@ -54,13 +55,6 @@ def generate_text(model_dir, cache_file, prompt=" The sort is stable", n=12):
     return out.split("==========")[1]
 
 
-def identity(model, tok):
-    t = Translator.for_models(model, model, tok, tok)
-    for m in t.k_maps + t.v_maps:
-        m.weight = mx.eye(m.weight.shape[0])
-    return t
-
-
 def test_exact_conversion_reproduces_the_native_cache_file(toy_pair, toy_pair_dirs, tmp_path):
     """Through an exact (identity) translator the converted file is the cache the
     model itself wrote, and mlx_lm.generate continues from both alike."""
@@ -68,7 +62,7 @@ def test_exact_conversion_reproduces_the_native_cache_file(toy_pair, toy_pair_di
     target = str(toy_pair_dirs[1])
     native_file, converted = tmp_path / "native.safetensors", tmp_path / "converted.safetensors"
     cache_prompt(target, native_file)
-    report = convert_prompt_cache_file(native_file, converted, tgt, tgt, identity(tgt, tok),
+    report = convert_prompt_cache_file(native_file, converted, tgt, tgt, identity_translator(tgt, tok),
                                        target, tok, PROMPT, native_dtype(target))
     n = len(cache_prompt_tokens(tok, PROMPT))
     assert (report.tokens, report.translated, report.native) == (n, n - 1, 1)

@@ -10,14 +10,7 @@ from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models import prefill
 from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
 from mlx_kvlingo.session import Session, finish_thread, format_reports
-from mlx_kvlingo.translator import Translator
-
-
-def identity(model, tokenizer):
-    t = Translator.for_models(model, model, tokenizer, tokenizer)
-    for m in t.k_maps + t.v_maps:
-        m.weight = mx.eye(m.weight.shape[0])
-    return t
+from tiny import identity_translator
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +20,9 @@ def target(toy_pair):
 
 def twin_session(model, tok, both=True, **kw):
     """One model under two names with exact translators: a switch must change nothing."""
-    translators = {("a", "b"): identity(model, tok)}
+    translators = {("a", "b"): identity_translator(model, tok)}
     if both:
-        translators["b", "a"] = identity(model, tok)
+        translators["b", "a"] = identity_translator(model, tok)
     return Session({"a": (model, tok), "b": (model, tok)}, translators, **kw)
 
 
@@ -245,7 +238,7 @@ def test_multiturn_fidelity_is_exact_with_exact_translators(target):
     ids = tok.encode(text)
     conv = [[ids[i * 12:(i + 1) * 12] for i in range(5)]]
     models = {"a": (m, tok), "b": (m, tok)}
-    res = multiturn_fidelity(models, {("a", "b"): identity(m, tok), ("b", "a"): identity(m, tok)},
+    res = multiturn_fidelity(models, {("a", "b"): identity_translator(m, tok), ("b", "a"): identity_translator(m, tok)},
                              conv)
     assert set(res) == {"a", "b"}
     for rows in res.values():
@@ -302,9 +295,7 @@ def test_the_translators_native_tail_is_computed_by_the_reader(target):
     """A translator's ``native_tail`` m: the last m positions a switch would
     translate are prefilled by the reader instead (exact, whatever the maps)."""
     m, tok = target
-    zero = identity(m, tok)
-    for w in zero.k_maps + zero.v_maps:
-        w.weight = mx.zeros_like(w.weight)  # a translation that carries nothing
+    zero = identity_translator(m, tok, scale=0.0)  # a translation that carries nothing
     zero.spec.native_tail = 4
     s = Session({"a": (m, tok), "b": (m, tok)}, {("a", "b"): zero})
     r0 = s.generate("a", QUESTIONS[0], max_tokens=5)

@@ -9,6 +9,7 @@ from mlx_kvlingo.models import load, tokenizer_fingerprint
 from mlx_kvlingo.session import Session
 from mlx_kvlingo.transcript import TEMPLATE
 from mlx_kvlingo.translator import Translator
+from tiny import identity_translator
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
@@ -17,10 +18,8 @@ CHAT_TEMPLATE = (
 
 
 def identity(model, tok_a, tok_b):
-    t = Translator.for_models(model, model, tok_a, tok_b)
+    t = identity_translator(model, tok_a, tok_b)
     assert t.cross_tokenizer
-    for m in t.k_maps + t.v_maps:
-        m.weight = mx.eye(m.weight.shape[0])
     return t
 
 

@@ -13,15 +13,9 @@ from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models import cache_length, prefill
 from mlx_kvlingo.switch import generate_after_switch, switch
 from mlx_kvlingo.translator import Translator
+from tiny import identity_translator
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def identity_translator(model, tokenizer):
-    t = Translator.for_models(model, model, tokenizer, tokenizer)
-    for m in t.k_maps + t.v_maps:
-        m.weight = mx.eye(m.weight.shape[0])
-    return t
 
 
 def test_stream_generate_after_exact_switch_equals_full_prefill(toy_pair):

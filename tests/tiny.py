@@ -40,3 +40,17 @@ def tiny_model(name, seed=0, **overrides):
     mx.eval(model.parameters())
     model.name_or_path = f"tiny-{name}"
     return model
+
+
+def identity_translator(model, source_tokenizer=None, target_tokenizer=None, scale=1.0):
+    """A translator from ``model`` to itself whose maps are ``scale`` times the
+    identity: 1 is exact (a switch must change nothing), 0 carries nothing (every
+    translated key and value is zero). Two different tokenizers make it a
+    cross-tokenizer translator."""
+    from mlx_kvlingo.translator import Translator
+
+    t = Translator.for_models(model, model, source_tokenizer,
+                              target_tokenizer if target_tokenizer is not None else source_tokenizer)
+    for m in t.k_maps + t.v_maps:
+        m.weight = scale * mx.eye(m.weight.shape[0])
+    return t
