@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 
 CHOICE_ENV = "MLX_KVLINGO_BLAS"
 DISABLE_ENV = "MLX_KVLINGO_NO_OPENBLAS"
@@ -128,6 +129,13 @@ def preload():
         return
     if "mlx.core" in sys.modules and preloaded_path is None:
         preload_status = "too late: mlx.core was imported before mlx_kvlingo"
+        if not _fast_blas_mapped():
+            # A Python API user (a chat app importing mlx first) would otherwise
+            # get ~20x slower matmuls and no word of why.
+            warnings.warn(
+                "mlx_kvlingo was imported after mlx.core, too late to give MLX a fast "
+                "BLAS: its CPU matmuls will use the slow reference BLAS. Import "
+                "mlx_kvlingo first (before mlx, mlx_lm).", RuntimeWarning, stacklevel=3)
         return
     if preloaded_path is not None:
         return
@@ -157,6 +165,14 @@ preload_openblas = preload
 def preload_failed() -> bool:
     """True on Linux when no fast BLAS was loaded."""
     return platform.system() == "Linux" and preloaded_path is None
+
+
+def _fast_blas_mapped() -> bool:
+    """True when an OpenBLAS or MKL that MLX's calls can resolve to is already
+    mapped (e.g. the user preloaded one); numpy's ``libscipy_openblas`` does not
+    count, its symbols are prefixed."""
+    names = (os.path.basename(p).lower() for p in blas_libraries())
+    return any(n.startswith(("libopenblas", "libmkl_rt")) for n in names)
 
 
 def blas_libraries():

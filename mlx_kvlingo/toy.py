@@ -136,7 +136,7 @@ def toy_corpus(seed: int = 0):
 
 
 def copy_task_documents(n_tokens: int, vocab_size: int = VOCAB_SIZE, seed: int = 0,
-                        spans_per_doc: int = 4, occurrences: int = 12):
+                        spans_per_doc: int = 4, occurrences: int = 12, span_len=(8, 32)):
     """Token documents of random spans that recur, about ``n_tokens`` in all.
 
     Nothing in them is predictable except by finding the earlier occurrence of
@@ -146,7 +146,7 @@ def copy_task_documents(n_tokens: int, vocab_size: int = VOCAB_SIZE, seed: int =
     rng = random.Random(seed)
     docs, total = [], 0
     while total < n_tokens:
-        spans = [[rng.randrange(1, vocab_size) for _ in range(rng.randint(8, 32))]
+        spans = [[rng.randrange(1, vocab_size) for _ in range(rng.randint(*span_len))]
                  for _ in range(spans_per_doc)]
         order = list(range(spans_per_doc))
         while len(order) < occurrences:
@@ -260,16 +260,20 @@ def train_language_model(
     log: Optional[Callable[[str], None]] = None,
     probe_stream=None,
     probe_every: int = 200,
+    constant_lr: bool = False,
+    weight_decay: float = 0.01,
 ):
     """Next-token training with AdamW and a cosine schedule; returns the final loss.
+    ``constant_lr`` keeps the rate flat after warmup: learning to copy from the
+    context comes after a long plateau, and a decaying rate can end the run on it
+    (builtin-pair-training.md, run 8).
     With ``probe_stream`` (held-out tokens), logs context_benefit on it every
     ``probe_every`` steps: the curve that shows whether copying from context has
     been learned yet (it appears abruptly, if at all)."""
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-5, lr, max(steps // 20, 1)), optim.cosine_decay(lr, steps)],
-        [max(steps // 20, 1)],
-    )
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    warmup = max(min(steps // 20, 200), 1)
+    after = (lambda _: mx.array(lr)) if constant_lr else optim.cosine_decay(lr, steps)
+    schedule = optim.join_schedules([optim.linear_schedule(1e-5, lr, warmup), after], [warmup])
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=weight_decay)
 
     def loss_fn(model, x):
         logits = model(x[:, :-1])

@@ -73,6 +73,23 @@ def test_mkl_results_match_the_reference_blas():
 
 
 @linux
+def test_importing_mlx_first_warns_unless_a_fast_blas_is_already_mapped():
+    """A Python API user who imports mlx.core before mlx_kvlingo is too late for
+    the preload; they are told at import, not left with ~20x slower matmuls."""
+    late = "import mlx.core, warnings; warnings.simplefilter('always'); import mlx_kvlingo"
+    proc = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning" in proc.stderr and "Import mlx_kvlingo first" in proc.stderr
+    in_order = "import warnings; warnings.simplefilter('error'); import mlx_kvlingo, mlx.core"
+    assert python(in_order) == ""
+    openblas = blas.find_system_openblas()
+    if openblas:  # preloaded by the user: nothing to warn about
+        late_ok = late.replace("'always'", "'error'")
+        python(late_ok, LD_PRELOAD=openblas)
+
+
+@linux
 def test_cli_warns_once_when_blas_is_slow_and_names_the_fix():
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_kvlingo_cli.main", "switch", "--source", "s",
