@@ -12,9 +12,10 @@ position can carry a few characters of look-ahead; callers keep every aligned
 source token inside the context (tokenize the context on its own).
 """
 
-import bisect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .errors import KvlingoError
 
@@ -71,6 +72,13 @@ def tokenize_with_offsets(tokenizer, text: str, add_special_tokens: bool = True)
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode"):
+        # The Rust tokenizer a fast HF tokenizer wraps, called directly: the same ids
+        # and offsets (its __call__ runs this through encode_batch) without building a
+        # BatchEncoding, ~2 ms less per 4096-token switch (part of its time).
+        enc = backend.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
     try:
         enc = hf(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
     except (NotImplementedError, TypeError, ValueError) as e:
@@ -92,24 +100,25 @@ def align_offsets(
     contains the character (tokenizers differ on whitespace), the last source
     token starting at or before it is taken.
     """
-    texty = [(a, b, i) for i, (a, b) in enumerate(source_offsets) if b > a]
-    starts = [a for a, _, _ in texty]
-    out = []
-    seen_text = False
-    for j, (a, b) in enumerate(target_offsets):
-        seen_text = seen_text or b > a
-        if j < native_prefix or not texty:
-            out.append(NATIVE)
-            continue
-        if b <= a:
-            # A textless token (BOS) before any text pairs with the source's first
-            # token, so that without a native prefix the sink is translated too;
-            # later ones (template markers) have no counterpart.
-            out.append(0 if not seen_text and source_offsets else NATIVE)
-            continue
-        k = bisect.bisect_right(starts, b - 1) - 1  # last source token starting <= b-1
-        out.append(texty[k][2] if k >= 0 else NATIVE)
-    return out
+    # Vectorised: it runs inside the timed switch, over every context token.
+    src = np.asarray(source_offsets, dtype=np.int64).reshape(-1, 2)
+    tgt = np.asarray(target_offsets, dtype=np.int64).reshape(-1, 2)
+    texty = np.flatnonzero(src[:, 1] > src[:, 0])  # source tokens with characters
+    out = np.full(len(tgt), NATIVE, dtype=np.int64)
+    if len(texty) and len(tgt):
+        starts = src[texty, 0]  # ascending
+        a, b = tgt[:, 0], tgt[:, 1]
+        has_text = b > a
+        # Last source token starting at or before the target token's last character.
+        k = np.searchsorted(starts, b - 1, side="right") - 1
+        out = np.where(has_text & (k >= 0), texty[np.maximum(k, 0)], NATIVE)
+        # A textless token (BOS) before any text pairs with the source's first
+        # token, so that without a native prefix the sink is translated too;
+        # later ones (template markers) have no counterpart.
+        before_text = np.cumsum(has_text) == 0
+        out = np.where(~has_text & before_text, 0, out)
+        out[:native_prefix] = NATIVE
+    return out.tolist()
 
 
 def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int = 1) -> Alignment:

@@ -66,6 +66,63 @@ def test_alignment_rules():
     assert runs == [(True, 1, 2), (False, 2, 5)]
 
 
+def _align_offsets_loop(source_offsets, target_offsets, native_prefix):
+    """The rule written as a plain loop (align_offsets is vectorised)."""
+    import bisect
+
+    texty = [(a, b, i) for i, (a, b) in enumerate(source_offsets) if b > a]
+    starts = [a for a, _, _ in texty]
+    out, seen_text = [], False
+    for j, (a, b) in enumerate(target_offsets):
+        seen_text = seen_text or b > a
+        if j < native_prefix or not texty:
+            out.append(NATIVE)
+        elif b <= a:
+            out.append(0 if not seen_text else NATIVE)
+        else:
+            k = bisect.bisect_right(starts, b - 1) - 1
+            out.append(texty[k][2] if k >= 0 else NATIVE)
+    return out
+
+
+def _random_offsets(rng, length):
+    """Offsets of a random tokenization of ``length`` characters, with textless
+    tokens (specials) and a few uncovered characters (whitespace) mixed in."""
+    out, pos = [], 0
+    while pos < length:
+        if rng.random() < 0.1:
+            out.append((pos, pos))
+            continue
+        pos += rng.random() < 0.1  # a character no token covers
+        end = min(pos + rng.randint(1, 5), length)
+        if end > pos:
+            out.append((pos, end))
+        pos = end
+    return out
+
+
+def test_vectorised_alignment_matches_the_rule_on_random_tokenizations():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(300):
+        length = rng.randint(0, 60)
+        src, tgt = _random_offsets(rng, length), _random_offsets(rng, length)
+        for k in (0, 1, 3):
+            assert align_offsets(src, tgt, k) == _align_offsets_loop(src, tgt, k), (src, tgt, k)
+
+
+def test_offsets_from_the_rust_tokenizer_equal_the_hf_call(tokenizers):
+    from mlx_kvlingo.align import tokenize_with_offsets
+
+    for tok in tokenizers:
+        for special in (True, False):
+            enc = tok(TEXT, return_offsets_mapping=True, add_special_tokens=special)
+            ids, offsets = tokenize_with_offsets(tok, TEXT, special)
+            assert ids == enc["input_ids"]
+            assert [tuple(o) for o in offsets] == [tuple(o) for o in enc["offset_mapping"]]
+
+
 def test_aligned_path_with_identity_alignment_is_exact():
     """translate_aligned (gather + native runs) equals the shared-token path and the
     native prefill when the alignment is the identity and the maps exact."""
