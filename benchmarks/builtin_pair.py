@@ -14,6 +14,7 @@ import mlx_kvlingo  # noqa: F401  (first: fast BLAS)
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -73,7 +74,9 @@ def main():
                    "top1": pooled(rows2, "top1")},
         "stage2_minus_stage1_cbr": paired_cbr_difference(rows1, rows2).to_dict(),
         "eval_seconds": eval_s,
-        "machine": f"{platform.system()} {platform.machine()}, BLAS: {blas.preload_status}",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, BLAS: "
+                   f"{blas.preload_status}",
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "builtin-pair.json").write_text(json.dumps(result, indent=2))
@@ -110,7 +113,7 @@ def markdown(r) -> str:
         f"Stage 2 minus stage 1, CBR: {d['value'] * 100:+.1f} points "
         f"[{d['low'] * 100:+.1f}, {d['high'] * 100:+.1f}].",
         "",
-        f"Times on a loaded 2-core machine (shared with other jobs): fit "
+        f"Times (load average at the end {r.get('load_average')}): fit "
         f"{r['stage1']['seconds']:.0f}s, distillation {r['stage2']['seconds']:.0f}s, "
         f"evaluation {r['eval_seconds']:.0f}s. {r['machine']}.",
         "",
