@@ -40,9 +40,16 @@ def main():
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--install", action="store_true", help="Write the shipped stage-2 translator.")
+    p.add_argument("--pair", type=Path, default=None,
+                   help="A pair directory (source/, target/) instead of the shipped pair, e.g. "
+                   "benchmarks/assets/context-pair; results go to builtin-pair-<name>.*, "
+                   "--install writes <pair>/source-to-target.safetensors.")
     args = p.parse_args()
 
-    src_dir, tgt_dir = toy.ensure_toy_pair(log=print)
+    if args.pair:
+        src_dir, tgt_dir = args.pair / "source", args.pair / "target"
+    else:
+        src_dir, tgt_dir = toy.ensure_toy_pair(log=print)
     src, stok = load(src_dir)
     tgt, ttok = load(tgt_dir)
     pair = toy.toy_pair_data(stok)
@@ -79,12 +86,14 @@ def main():
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "builtin-pair.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "builtin-pair.md").write_text(markdown(result))
+    name = "builtin-pair" + (f"-{args.pair.name.removesuffix('-pair')}" if args.pair else "")
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     if args.install:
-        stage2.save(toy.STAGE2_TRANSLATOR)
-        print(f"Wrote {toy.STAGE2_TRANSLATOR}")
+        out = args.pair / "source-to-target.safetensors" if args.pair else toy.STAGE2_TRANSLATOR
+        stage2.save(out)
+        print(f"Wrote {out}")
 
 
 def markdown(r) -> str:
