@@ -3,10 +3,12 @@
 ``mlx-kvlingo demo`` and the tests need two *different* models that read the same
 tokens and actually use their context. Nothing can be downloaded at test time, so
 this module trains a byte-level BPE tokenizer and two small transformers of
-different shape (a qwen3 and a llama, different depth, head count and width) on
-a copy task and then on the standard library's docstrings rewritten so that
-passages and names recur, and saves each as an ordinary mlx-lm model directory
-that ``mlx_lm.load`` opens. Results are cached on disk.
+different shape (a qwen3 and a llama, different depth, head count and width),
+and saves each as an ordinary mlx-lm model directory that ``mlx_lm.load`` opens.
+Two recipes: the shipped pair's (build_docstring_pair: the standard library's
+docstrings; it barely uses its context) and build_toy_pair's (a copy task, then
+docstrings rewritten so that passages and names recur; it copies from its
+context, but translators do not carry that yet, so it is not shipped).
 """
 
 import json
@@ -340,7 +342,8 @@ def ensure_toy_pair(
     """Paths (source_dir, target_dir) of the built-in pair.
 
     The package ships a trained pair; ``rebuild=True`` trains one from scratch into
-    ``cache_dir`` with build_toy_pair (kept there for the next call).
+    ``cache_dir`` with the shipped pair's recipe, build_docstring_pair (kept there
+    for the next call).
     """
     shipped = ASSET_DIR / "source", ASSET_DIR / "target"
     if not rebuild and all((d / "model.safetensors").exists() for d in shipped):
