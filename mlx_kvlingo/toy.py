@@ -416,6 +416,9 @@ def build_toy_pair(out: Path, copy_steps: int = 4250, text_steps: int = 1500,
     1,000 steps). Not the shipped pair: translators keep ~6 % of its context
     benefit (builtin-pair-context.md)."""
     log = log or (lambda s: None)
+    done = out / "source", out / "target"
+    if all((out / role / "model.safetensors").exists() for role in roles):
+        return done  # nothing left to train: skip tokenizing the corpus
     tokenizer = load_tokenizer(tokenizer_dir)
     copy_probe = copy_stream(40_000, seed=99)
     text = training_stream(tokenizer, TEXT_PHASE["copy_fraction"])
@@ -446,7 +449,7 @@ def build_toy_pair(out: Path, copy_steps: int = 4250, text_steps: int = 1500,
             probe_stream=text_probe, constant_lr=True, weight_decay=0.0)
         model.set_dtype(save_dtype)
         save_model_dir(model, config, tokenizer_dir, final)
-    return out / "source", out / "target"
+    return done
 
 
 # ---------------------------------------------------------------------------
