@@ -637,7 +637,7 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
 
-    from mlx_kvlingo.align import align_text
+    from mlx_kvlingo.align import align_text, tokenize_with_offsets
     from mlx_kvlingo.models import prefill
     from mlx_kvlingo.gate import judge_switch
     from mlx_kvlingo.switch import generate_after_switch, switch, switch_text
@@ -645,12 +645,13 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     tail = translator.spec.native_tail if gate is None else max(
         gate.tokens, translator.spec.native_tail)
     if translator.cross_tokenizer:
-        a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix)
+        tokenized = tokenize_with_offsets(src_tok, context)  # the source reads these
+        a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix, tokenized)
         source_tokens, target_tokens = a.source_tokens, a.target_tokens
 
         def translate(source_cache):
             return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
-                               native_tail=tail)
+                               native_tail=tail, source_tokens=tokenized)
     else:
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens

@@ -12,6 +12,7 @@ position can carry a few characters of look-ahead; callers keep every aligned
 source token inside the context (tokenize the context on its own).
 """
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -102,8 +103,7 @@ def align_offsets(
     token starting at or before it is taken.
     """
     # Vectorised: it runs inside the timed switch, over every context token.
-    src = np.asarray(source_offsets, dtype=np.int64).reshape(-1, 2)
-    tgt = np.asarray(target_offsets, dtype=np.int64).reshape(-1, 2)
+    src, tgt = _offset_array(source_offsets), _offset_array(target_offsets)
     texty = np.flatnonzero(src[:, 1] > src[:, 0])  # source tokens with characters
     out = np.full(len(tgt), NATIVE, dtype=np.int64)
     if len(texty) and len(tgt):
@@ -122,9 +122,24 @@ def align_offsets(
     return out.tolist()
 
 
-def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int = 1) -> Alignment:
-    """Tokenize ``text`` with both tokenizers (special tokens included) and align."""
-    s_ids, s_off = tokenize_with_offsets(source_tokenizer, text)
+def _offset_array(offsets) -> np.ndarray:
+    """[n, 2] int64 from a list of (start, end) pairs; fromiter over the flattened
+    pairs takes half the time of np.asarray on the tuples (0.33 vs 0.70 ms for
+    4,000 tokens here)."""
+    flat = itertools.chain.from_iterable(offsets)
+    return np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+
+
+def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int = 1,
+               source_tokens: Optional[Tuple[List[int], List[Tuple[int, int]]]] = None
+               ) -> Alignment:
+    """Tokenize ``text`` with both tokenizers (special tokens included) and align.
+    ``source_tokens``: the source's (ids, offsets) of ``text``, as
+    :func:`tokenize_with_offsets` gives them, when the caller has them already
+    (the source tokenized the text to read it): one tokenization fewer."""
+    if source_tokens is None:
+        source_tokens = tokenize_with_offsets(source_tokenizer, text)
+    s_ids, s_off = source_tokens
     t_ids, t_off = tokenize_with_offsets(target_tokenizer, text)
     return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix))
 

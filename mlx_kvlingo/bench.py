@@ -115,6 +115,9 @@ class _Context:
     tokens: mx.array  # [T] target token ids
     source_cache: list
     text: Optional[str] = None
+    # The source's (ids, offsets) of `text`: it tokenized the text to read it, so
+    # the switch tokenizes only for the target.
+    source_tokens: Optional[tuple] = None
 
 
 def _shared_context(source, stream: Sequence[int], context: int) -> _Context:
@@ -137,9 +140,9 @@ def _text_context(source, source_tokenizer, target_tokenizer, text: str, context
             break
         cut = off_cut[context - 1][1] if len(ids_cut) > context else offsets[len(ids_cut)][1]
     prefix = text[:cut]
-    source_ids, _ = tokenize_with_offsets(source_tokenizer, prefix)
-    source_cache = _evaluated(prefill(source, mx.array(source_ids)[None]))
-    return _Context(mx.array(ids_cut), source_cache, prefix)
+    source_tokens = tokenize_with_offsets(source_tokenizer, prefix)
+    source_cache = _evaluated(prefill(source, mx.array(source_tokens[0])[None]))
+    return _Context(mx.array(ids_cut), source_cache, prefix, source_tokens)
 
 
 def _evaluated(cache):
@@ -158,7 +161,8 @@ def _switch(source, target, translator, ctx: _Context, m: int, tokenizers):
         return switch(source, target, translator, ctx.tokens, source_cache=ctx.source_cache,
                       native_tail=m)
     return switch_text(source, tokenizers[0], target, tokenizers[1], translator, ctx.text,
-                       source_cache=ctx.source_cache, native_tail=m)
+                       source_cache=ctx.source_cache, native_tail=m,
+                       source_tokens=ctx.source_tokens)
 
 
 def _timed_switch(source, target, translator, ctx, m, tokenizers):
@@ -226,7 +230,7 @@ def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
         alignment = identity_alignment(ctx.tokens.tolist(), translator.spec.native_prefix)
     else:
         alignment = align_text(tokenizers[0], tokenizers[1], ctx.text,
-                               translator.spec.native_prefix)
+                               translator.spec.native_prefix, ctx.source_tokens)
     phases = {"align_s": time.perf_counter() - t0}
     result = _switch_aligned(source, target, translator, ctx.source_cache, alignment,
                              mx.array(alignment.target_tokens)[None],

@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_kvlingo.align import NATIVE, align_offsets, align_text, identity_alignment
+from mlx_kvlingo.align import tokenize_with_offsets
 from mlx_kvlingo.models import prefill
 from mlx_kvlingo.switch import translate_aligned, translate_span
 from mlx_kvlingo.translator import Translator
@@ -190,3 +191,64 @@ def test_switch_text_leaves_the_native_tail_in_target_tokens(tokenizers):
     _, logprobs = first_step(tgt, r)
     native = tgt(mx.array(ids)[None])[0, -1]
     assert mx.abs(logprobs - (native - mx.logsumexp(native))).max().item() < 1e-4
+
+
+def test_switch_text_with_the_sources_tokenization_given_is_the_same_switch(tokenizers):
+    """A caller that prefilled the source passes its (ids, offsets): the switch
+    skips that tokenization and builds the same cache; offsets that do not fit the
+    text change the alignment (so they are really used)."""
+    from mlx_kvlingo.models import cache_features, prefill
+    from mlx_kvlingo.switch import switch_text
+
+    stok, ttok = tokenizers
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok, native_prefix=0)
+    tokenized = tokenize_with_offsets(stok, TEXT)
+    source_cache = prefill(src, mx.array(tokenized[0])[None])
+    plain = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache)
+    given = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
+                        source_tokens=tokenized)
+    keys = [cache_features(tgt, r.cache)[0] for r in (plain, given)]
+    assert all(mx.array_equal(a, b) for a, b in zip(*keys))
+    shifted = (tokenized[0], [(0, 1)] * len(tokenized[1]))  # every target token -> source 0
+    other = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
+                        source_tokens=shifted)
+    assert not mx.array_equal(cache_features(tgt, other.cache)[0][1], keys[0][1])
+
+
+@pytest.mark.parametrize("target_type", ["qwen3", "gemma3_text"])
+def test_maps_started_before_the_alignment_give_the_same_cache(tokenizers, target_type,
+                                                               monkeypatch):
+    """switch_text maps the first full-context target layers in the source's token
+    order while it tokenizes for the target, and gathers their rows afterwards:
+    the cache equals the one mapped after the alignment. For Gemma 3 the early
+    layers are its global ones (the sliding ones hold only their window)."""
+    import importlib
+
+    from mlx_kvlingo.models import prefill, read_layer
+
+    sw = importlib.import_module("mlx_kvlingo.switch")  # the module, not the function
+
+    stok, ttok = tokenizers
+    src = tiny_model("llama", vocab_size=300)
+    tgt = tiny_model(target_type, seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    for i, lin in enumerate(t.k_maps + t.v_maps):
+        lin.weight = mx.random.normal(lin.weight.shape, key=mx.random.key(i)) * 0.2
+    tokenized = tokenize_with_offsets(stok, TEXT)
+    source_cache = prefill(src, mx.array(tokenized[0])[None])
+
+    early = sw._early_maps(src, tgt, t, source_cache)
+    windows = [lg.window for lg in sw.cache_geometry(tgt).layers]
+    assert sorted(early) == [i for i, w in enumerate(windows) if not w][: sw._EARLY_LAYERS]
+    assert early, "the test must exercise early maps"
+
+    with_early = sw.switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
+                                source_tokens=tokenized)
+    monkeypatch.setattr(sw, "_EARLY_LAYERS", 0)
+    without = sw.switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
+                             source_tokens=tokenized)
+    for a, b in zip(with_early.cache, without.cache):
+        (ka, va, sa), (kb, vb, sb) = read_layer(a), read_layer(b)
+        assert sa == sb and ka.shape == kb.shape
+        assert mx.allclose(ka, kb, atol=1e-5).item() and mx.allclose(va, vb, atol=1e-5).item()
