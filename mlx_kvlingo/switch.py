@@ -119,12 +119,10 @@ def _native_tail(translator: Translator, native_tail: Optional[int]) -> int:
 
 
 def _translate(source, target, translator, source_cache, target_cache, alignment, end,
-               target_tokens, room: int, phases: Optional[dict] = None,
-               early: Optional[dict] = None) -> List:
+               target_tokens, room: int, phases: Optional[dict] = None) -> List:
     """:func:`translate_aligned` after the alignment is final. ``room``: positions the
     caller will add next (the first decoding step and any native tail), so that
-    fresh caches are allocated with space for them. ``early``: map outputs started
-    before the alignment existed (:func:`_early_maps`), used by a fresh cache."""
+    fresh caches are allocated with space for them."""
     if target_tokens is None:
         target_tokens = mx.array(alignment.target_tokens)[None]
     start = 0 if target_cache is None else cache_length(target_cache)
@@ -146,8 +144,7 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
         k = runs[0][2] if runs[0][0] else 0
         hi = runs[1][2] if runs[0][0] else runs[0][2]
         target_cache = _translate_fresh(source, target, translator, source_cache,
-                                        alignment, target_tokens, k, hi, room + end - hi, phases,
-                                        early)
+                                        alignment, target_tokens, k, hi, room + end - hi, phases)
         runs = alignment.runs(hi, end) if hi < end else []
     for native, lo, hi in runs:
         if native:
@@ -190,8 +187,7 @@ def _fresh_block_fits(runs) -> bool:
 
 
 def _translate_fresh(source, target, translator, source_cache, alignment, target_tokens,
-                     k: int, hi: int, room: int, phases: Optional[dict] = None,
-                     early: Optional[dict] = None) -> List:
+                     k: int, hi: int, room: int, phases: Optional[dict] = None) -> List:
     """A fresh target cache for positions 0..hi-1: 0..k-1 computed by the target (the
     memoized native prefix), k..hi-1 translated, with ``room`` free positions.
 
@@ -200,9 +196,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     buffers: keys get re-rotated by one fused kernel that writes cache layout,
     values are transposed once, the prefix rows are overwritten in place. No
     concatenation copies the cache. Sliding-window layers hold (and translate)
-    only the positions they keep. Layers in ``early`` (mapped in the source's token
-    order while the text was aligned) only gather their rows."""
-    early = dict(early or {})
+    only the positions they keep."""
     geometry = cache_geometry(target)
     dtype = cache_dtype(target)
     B = target_tokens.shape[0]
@@ -219,22 +213,20 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     # Source layers each target layer reads; none for a layer the target computes.
     layer_map = [[] if i == 0 and _native_layer0(translator) else layers
                  for i, layers in enumerate(translator.spec.layer_map)]
-    # What each layer reads from the source cache here (early layers: nothing).
-    reads = [[] if i in early else layers for i, layers in enumerate(layer_map)]
     source_first = {}
-    for (first, _), layers in zip(spans, reads):
+    for (first, _), layers in zip(spans, layer_map):
         for j in layers:
             source_first[j] = min(source_first.get(j, first), first)
     top = max(last for _, last in spans)
     # Source positions per target position; prefix and free rows read any row.
     index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
     shared = all(i is None or i == p for p, i in enumerate(index))
-    last_use = {j: i for i, layers in enumerate(reads) for j in layers}
+    last_use = {j: i for i, layers in enumerate(layer_map) for j in layers}
     features = {}
     copies = _copy_stream() if phases is None else None
 
     def read_sources(i):
-        for j in reads[i]:
+        for j in layer_map[i]:
             if j not in features:
                 features[j] = _source_rows(source, source_cache, j, source_first[j],
                                            index[source_first[j] :], shared, copies)
@@ -263,17 +255,13 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
             if phases is None:
                 mx.async_eval(c.keys, c.values)
             continue
-        if i in early:  # mapped already, in the source's token order
-            keys, values = _early_rows(early.pop(i), index[first:last], copies)
-        else:
-            with _on(copies):  # several source layers per map: concatenated beside the matmuls
-                xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
-                              for j in layers])
-                xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
-                              for j in layers])
-            _phase(phases, "read_unrope_s", [xk, xv])
-            keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
-            del xk, xv
+        with _on(copies):  # several source layers per map: concatenated beside the matmuls
+            xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
+            xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
+                          for j in layers])
+        _phase(phases, "read_unrope_s", [xk, xv])
+        keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
         _phase(phases, "maps_s", [keys, values])
         with _on(copies):
             keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
@@ -291,10 +279,10 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 values[..., : k - first, :] = prefix[i][1][..., first:, :]
         set_layer(c, keys, values, hi, hi - first)
         _phase(phases, "rerope_write_s", [keys, values])
-        for j in reads[i]:  # free source features after their last reader
+        for j in layers:  # free source features after their last reader
             if last_use[j] == i:
                 del features[j]
-        del keys, values
+        del xk, xv, keys, values
         if phases is None:
             # Layer by layer: about two layers' intermediates are alive (this one
             # and the next one's sources), and the next graph is built while this
@@ -305,57 +293,6 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
 
 
 _LAYERS_IN_FLIGHT = 2
-
-# Target layers a cross-tokenizer switch maps while the text is still being
-# tokenized for the target (the full-context ones, in order). Three covers the
-# tokenization (~5 ms for 4,000 Gemma tokens here) with SmolLM2 as the target
-# (3 of 30 layers) and holds Gemma's three global layers, which are most of its
-# map work at long contexts.
-_EARLY_LAYERS = 3
-
-
-def _early_maps(source, target, translator, source_cache) -> dict:
-    """Start the maps of up to ``_EARLY_LAYERS`` full-context target layers over
-    every position the source cache holds, in the source's token order, before the
-    alignment exists. A map acts on each token's features alone, so gathering its
-    outputs by the alignment afterwards (:func:`_early_rows`) gives the rows that
-    mapping the gathered inputs would. The work is queued (mx.async_eval) and runs
-    on MLX's threads while this one tokenizes the text for the target. Returns
-    {target layer: (keys, values [B, rows, width], source position of row 0)}."""
-    layer_map = translator.spec.layer_map
-    chosen = [i for i, lg in enumerate(cache_geometry(target).layers)
-              if not lg.window and layer_map[i] and not (i == 0 and _native_layer0(translator))]
-    early = {}
-    for i in chosen[:_EARLY_LAYERS]:
-        parts = [read_layer(source_cache[j]) + (j,) for j in layer_map[i]]
-        if any(keys is None for keys, *_ in parts):
-            return {}
-        s = max(start for _, _, start, _ in parts)  # rows all layers hold (same end)
-        xk, xv = [], []
-        for keys, values, start, j in parts:
-            keys, values = keys[..., s - start :, :], values[..., s - start :, :]
-            B, H, n, D = values.shape
-            xk.append(_content_keys(source, j, keys, s))
-            xv.append(values.transpose(0, 2, 1, 3).reshape(B, n, H * D))
-        early[i] = (translator.k_maps[i](_concat(xk)), translator.v_maps[i](_concat(xv)), s)
-        mx.async_eval(early[i][:2])
-    return early
-
-
-def _early_rows(early, index: List[Optional[int]], stream=None):
-    """The rows of an early layer's map outputs for target rows ``index`` (source
-    positions; None: any row)."""
-    keys, values, s = early
-    wanted = [i for i in index if i is not None]
-    if wanted and (min(wanted) < s or max(wanted) >= s + keys.shape[1]):
-        raise KvlingoError(
-            f"The source cache holds positions {s}..{s + keys.shape[1] - 1}, but positions "
-            f"{min(wanted)}..{max(wanted)} are needed. Prefill the source in one pass "
-            "(mlx_kvlingo.models.prefill) to get complete features."
-        )
-    rows = mx.array([(s if i is None else i) - s for i in index])
-    with _on(stream):
-        return keys[:, rows], values[:, rows]
 
 
 def _layer0_rows(target, tokens, first: int, hi: int, rows: int, dtype):
@@ -570,11 +507,9 @@ def switch(
 
 
 def _switch_aligned(source, target, translator, source_cache, alignment, tokens, m: int,
-                    t0: float, phases: Optional[dict] = None,
-                    early: Optional[dict] = None) -> SwitchResult:
+                    t0: float, phases: Optional[dict] = None) -> SwitchResult:
     """Translate all target positions but the last m + 1, which are left pending.
-    ``phases``: profile the translation into it (see :func:`_phase`). ``early``:
-    see :func:`_early_maps`."""
+    ``phases``: profile the translation into it (see :func:`_phase`)."""
     n = tokens.shape[1]
     end = max(n - 1 - m, 0)
     if end:
@@ -582,7 +517,7 @@ def _switch_aligned(source, target, translator, source_cache, alignment, tokens,
         if phases is not None:
             phases["_mark"] = time.perf_counter()
         cache = _translate(source, target, translator, source_cache, None, alignment, end,
-                           tokens, room=n - end, phases=phases, early=early)
+                           tokens, room=n - end, phases=phases)
         if phases is not None:
             phases.pop("_mark", None)
         mx.eval([(c.keys, c.values) for c in cache])
@@ -728,11 +663,9 @@ def switch_text(
         source_cache = prefill(source, mx.array(source_tokens[0])[None])
         mx.eval([(c.keys, c.values) for c in source_cache])
     t0 = time.perf_counter()
-    early = _early_maps(source, target, translator, source_cache)  # runs while we tokenize
     alignment = align_text(source_tokenizer, target_tokenizer, text,
                            translator.spec.native_prefix, source_tokens)
     if len(alignment.target_tokens) < 2:
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
     tokens = mx.array(alignment.target_tokens)[None]
-    return _switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                           early=early)
+    return _switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0)
