@@ -159,3 +159,25 @@ def test_the_shipped_pairs_recipe_still_builds_a_loadable_pair(tmp_path):
     assert stok.vocab_size == ttok.vocab_size == toy.VOCAB_SIZE
     assert (toy.ASSET_DIR / "source" / "tokenizer.json").read_text() == (
         tmp_path / "tokenizer" / "tokenizer.json").read_text()  # the shipped tokenizer
+
+
+@pytest.mark.slow
+def test_a_shared_embedding_target_keeps_a_fixed_isometry_of_the_sources_embedding(tmp_path):
+    """build_toy_pair(shared_embedding=True): the target's token embedding is the
+    source's turned into its width by a fixed isometry, and training leaves it
+    there: the two Gram matrices (every token against every token) agree."""
+    import mlx.core as mx
+    import numpy as np
+
+    src_dir, tgt_dir = toy.build_toy_pair(tmp_path, copy_steps=3, text_steps=2, log=None,
+                                          shared_embedding=True)
+    weights = [mx.load(str(d / "model.safetensors")) for d in (src_dir, tgt_dir)]
+    s, t = (np.array(w["model.embed_tokens.weight"].astype(mx.float32)) for w in weights)
+    assert s.shape[1] != t.shape[1]  # 128 vs 144 wide
+    gram_s, gram_t = s @ s.T, t @ t.T
+    assert np.abs(gram_s - gram_t).max() < 1e-2 * np.abs(gram_s).max()
+    # The rest of the target did train (its layers are not the untrained init).
+    fresh = toy._build_model(dict(toy.PAIR_CONFIGS["target"], **toy.COMMON), seed=1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.allclose(np.array(weights[1][name].astype(mx.float32)),
+                           np.array(fresh.model.layers[0].self_attn.q_proj.weight), atol=1e-4)
