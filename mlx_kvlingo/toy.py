@@ -357,10 +357,10 @@ def ensure_toy_pair(
 
 def build_docstring_pair(out: Path, steps: int = 800, save_dtype=mx.float16,
                          log: Optional[Callable[[str], None]] = print):
-    """The shipped pair's recipe: a byte-level BPE tokenizer, then each model
+    """The first release's recipe: a byte-level BPE tokenizer, then each model
     trained for ``steps`` steps (8 x 256, lr 3e-3, cosine) on the training
     docstrings, into ``out``/{tokenizer,source,target}; parts already there are
-    reused. The first release's built-in pair: its target gains only ~0.1
+    reused. That built-in pair's target gains only ~0.1
     nats/token from context (build_toy_pair is the recipe that makes the models
     copy). Its tokenizer is the one every built-in pair since uses."""
     log = log or (lambda s: None)
@@ -478,7 +478,10 @@ def _share_embedding(target, source_dir: Path, seed: int):
     independently trained small models the token identities that copying matches
     on have no linear relation, and translators kept ~6 % of the context benefit
     (builtin-pair-training.md, run 11)."""
-    source = mx.load(str(source_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    weights = source_dir / "model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"A shared embedding needs the trained source first: {weights}")
+    source = mx.load(str(weights))["model.embed_tokens.weight"]
     width = target.model.embed_tokens.weight.shape[1]
     mx.random.seed(seed + 1000)
     q, _ = mx.linalg.qr(mx.random.normal((width, source.shape[1])), stream=mx.cpu)
