@@ -102,24 +102,27 @@ def test_training_logs_the_heldout_context_benefit():
 def test_the_shipped_pair_uses_its_context_and_stage_2_beats_stage_1():
     """Issue 12's bar on the shipped pair (build_toy_pair with a shared embedding):
     on 48 held-out windows of recurring documents the target gains >= 1 nat/token
-    from 256 tokens of context (so CBR is a signal, not noise), and a short
-    distillation from a stage-1 fit keeps more of that benefit than the fit alone,
-    paired over the same windows."""
+    from 256 tokens of context (so CBR is a signal, not noise), and the shipped
+    stage-2 translator (1,000 distillation steps) keeps more of that benefit than a
+    stage-1 fit, paired over the same windows. (The gain comes late: 100 steps in
+    the test gave none, 300 gave 35 %; builtin-pair-training.md, run 12.)"""
     from mlx_kvlingo.bootstrap import per_window_fidelity
     from mlx_kvlingo.models import load
+    from mlx_kvlingo.translator import load_translator
 
     src_dir, tgt_dir = toy.ensure_toy_pair()
     src, stok = load(src_dir)
     tgt, ttok = load(tgt_dir)
     pair = toy.toy_pair_data(stok)
     stage1, _ = toy.fit_translator(src, stok, tgt, ttok, pair, tokens=50_000)
-    stage2 = toy.distill_translator(src, tgt, stage1, pair, steps=60)
+    stage2 = load_translator(toy.STAGE2_TRANSLATOR)
+    assert stage2.spec.training.get("stage") == 2
     items = pair.heldout(256, 64, 48)
     rows1, rows2 = per_window_fidelity(pair, src, tgt, [stage1, stage2], items, 256)
     assert len(rows1) == 48
     assert benefit_interval(rows1).low >= 1.0
     diff = paired_cbr_difference(rows1, rows2)
-    assert diff.low > 0, diff
+    assert diff.low > 0.25, diff  # measured: +51 points
 
 
 @pytest.mark.slow

@@ -25,6 +25,23 @@ def kv_cache_dir(tmp_path_factory):
     return path
 
 
+_STARTED = []  # terminals of the running test, killed after it whatever happened
+
+
+@pytest.fixture(autouse=True)
+def _no_chat_left_running():
+    """A test that fails half way must not leave its chat generating (one left from a
+    failed Ctrl-C test spun for 10 minutes and slowed the rest of the suite)."""
+    yield
+    while _STARTED:
+        pid = _STARTED.pop().pid
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # it had exited and been reaped
+
+
 class Terminal:
     """A child process on a pseudo-terminal: type lines, wait for output."""
 
@@ -32,6 +49,7 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal
             os.execvpe(sys.executable, [sys.executable, "-c", CLI, *args], env)
+        _STARTED.append(self)
         self.output = ""
 
     def expect(self, pattern, timeout=120):
