@@ -504,8 +504,24 @@ def read_layer(c) -> Tuple[mx.array, mx.array, int]:
 
 
 def cache_length(cache: List) -> int:
-    """Number of tokens a prompt cache has processed."""
-    return cache[0].offset
+    """Number of tokens every layer of a prompt cache has processed.
+
+    Layers agree except after a forward pass interrupted half way (Ctrl-C lands
+    between two layers' cache updates): then the earlier layers hold one token
+    more, and only the shortest length is readable in every layer."""
+    return min(c.offset for c in cache)
+
+
+def trim_cache_to(cache: List, length: int) -> bool:
+    """Trim every layer of ``cache`` in place to its first ``length`` tokens (each
+    by its own amount, so layers that disagreed agree again). False, and nothing
+    trimmed, when a layer cannot be trimmed (a full sliding window)."""
+    if any(c.offset > length and not c.is_trimmable() for c in cache):
+        return False
+    for c in cache:
+        if c.offset > length:
+            c.trim(c.offset - length)
+    return True
 
 
 def cache_features(

@@ -45,11 +45,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream, stream_generate
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .align import NATIVE, Alignment
 from .errors import KvlingoError
-from .models import cache_length, prefill, tokenizer_fingerprint
+from .models import cache_length, prefill, tokenizer_fingerprint, trim_cache_to
 from .switch import translate_aligned, translate_span
 from .transcript import TEMPLATE, Span, Transcript, align_pieces, ids_offsets
 from .translator import Translator
@@ -357,8 +357,7 @@ class Session:
                 cut = v.message_ends[messages - 1]
                 for name in v.processed:
                     entry = self._models[name]
-                    extra = cache_length(entry.cache) - cut
-                    if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+                    if not trim_cache_to(entry.cache, cut):
                         entry.cache = make_prompt_cache(entry.model)
                         v.processed[name] = 0
                     v.translated[name] = min(v.translated[name], v.processed[name], cut)
@@ -565,8 +564,7 @@ class Session:
         t0 = time.perf_counter()
         view, entry = self._view_of[name], self._models[name]
         counted = end - start - report.translated  # positions already counted as prefilled
-        extra = cache_length(entry.cache) - start
-        if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+        if not trim_cache_to(entry.cache, start):
             entry.cache = make_prompt_cache(entry.model)  # e.g. a full sliding window
             start = 0
         view.translated[name] = max(view.translated[name] - report.translated, 0)
@@ -686,8 +684,7 @@ class Session:
     def _restore(self, name: str, length: int):
         """Trim model ``name``'s cache back to ``length`` tokens (after a failure)."""
         entry, view = self._models[name], self._view_of[name]
-        extra = cache_length(entry.cache) - length
-        if extra > 0 and not trim_prompt_cache(entry.cache, extra):
+        if not trim_cache_to(entry.cache, length):
             entry.cache = make_prompt_cache(entry.model)
             view.processed[name] = 0
             view.translated[name] = 0
@@ -709,10 +706,12 @@ class Session:
         """Make the bookkeeping agree with the cache (which never holds more than
         the transcript)."""
         view = self._view_of[name]
-        length = cache_length(self._models[name].cache)
-        if length > len(view):
-            self._restore(name, len(view))
-            length = len(view)
+        cache = self._models[name].cache
+        length = min(cache_length(cache), len(view))
+        # After an interrupted forward pass the layers disagree (the first ones hold
+        # a token more): trim them all to what every layer holds.
+        if any(c.offset != length for c in cache):
+            self._restore(name, length)
         view.processed[name] = length
 
 

@@ -310,3 +310,40 @@ def test_the_translators_native_tail_is_computed_by_the_reader(target):
     assert mx.allclose(got[..., -4:, :], want[..., -4:, :], atol=1e-4)
     assert mx.abs(got[..., 1:before - 4, :]).max().item() == 0.0
     assert r0.native_tail == 0
+
+
+def test_an_answer_interrupted_between_two_layers_leaves_a_readable_cache(target):
+    """Ctrl-C can land inside a forward pass, after some layers' caches took the new
+    token and before the others did. The writer's cache must come back with every
+    layer at one length, so the next model still translates all of it (CI saw the
+    switch fall back to a full prefill: 'layer 3 holds positions 0..190')."""
+    m, tok = target
+    s = twin_session(m, tok)
+    layer = m.model.layers[len(m.model.layers) // 2]
+    original = type(layer)
+    calls = {"n": 0}
+
+    class InterruptedOnce(original):
+        def __call__(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 6:  # the prompt's pass, then a few decoding steps
+                raise KeyboardInterrupt
+            return original.__call__(self, *args, **kwargs)
+
+    layer.__class__ = InterruptedOnce
+    stream = s.generate("a", QUESTIONS[0], max_tokens=50, stream=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in stream:
+                pass
+    finally:
+        layer.__class__ = original
+    stream.close()
+    offsets = {c.offset for c in s.cache("a")}
+    assert len(offsets) == 1 and offsets.pop() == s.transcript.processed["a"]
+    r = s.generate("b", QUESTIONS[1], max_tokens=2)
+    assert not r.warnings and r.translated == s.transcript.processed["a"] - 1
+    # and a, reading b's turn, continues as a native prefill of the transcript would
+    r2 = s.generate("a", QUESTIONS[2], max_tokens=4)
+    start = r2.context_tokens
+    assert s.tokens[start:] == native_greedy(m, tok, s.tokens[:start], 4)
