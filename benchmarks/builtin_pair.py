@@ -44,12 +44,17 @@ def main():
                    help="A pair directory (source/, target/) instead of the shipped pair, e.g. "
                    "benchmarks/assets/context-pair; results go to builtin-pair-<name>.*, "
                    "--install writes <pair>/source-to-target.safetensors.")
+    p.add_argument("--reverse", action="store_true",
+                   help="The other direction: target -> source (results *-reverse.*, "
+                   "--install writes target-to-source.safetensors).")
     args = p.parse_args()
 
     if args.pair:
         src_dir, tgt_dir = args.pair / "source", args.pair / "target"
     else:
         src_dir, tgt_dir = toy.ensure_toy_pair(log=print)
+    if args.reverse:
+        src_dir, tgt_dir = tgt_dir, src_dir
     src, stok = load(src_dir)
     tgt, ttok = load(tgt_dir)
     pair = toy.toy_pair_data(stok)
@@ -87,11 +92,13 @@ def main():
     }
     RESULTS.mkdir(exist_ok=True)
     name = "builtin-pair" + (f"-{args.pair.name.removesuffix('-pair')}" if args.pair else "")
+    name += "-reverse" if args.reverse else ""
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     if args.install:
-        out = args.pair / "source-to-target.safetensors" if args.pair else toy.STAGE2_TRANSLATOR
+        out = (args.pair if args.pair else toy.ASSET_DIR) / (
+            "target-to-source.safetensors" if args.reverse else "source-to-target.safetensors")
         stage2.save(out)
         print(f"Wrote {out}")
 

@@ -27,6 +27,19 @@ def native_greedy(model, tok, tokens, n):
     return [r.token for r in stream_generate(model, tok, mx.array(tokens), max_tokens=n)]
 
 
+def assert_greedy_under_native(model, tokens, start, tol=1e-3):
+    """Every token from ``start`` on is a greedy choice of the model given a native
+    prefill of everything before it: its log-prob is within ``tol`` of the best.
+    (Comparing with a fresh greedy run instead fails on near-ties, where float
+    error of ~1e-5 through an exact translation picks the other of two tokens.)"""
+    logits = model(mx.array(tokens[:-1])[None])[0].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.array(tokens[start:])
+    rows = lp[start - 1:]
+    gap = rows.max(axis=-1) - mx.take_along_axis(rows, chosen[:, None], axis=-1)[:, 0]
+    assert gap.max().item() < tol, gap.tolist()
+
+
 @pytest.fixture(scope="module")
 def twin_tokenizers(toy_pair_dirs):
     """The built-in target under two tokenizers that split text alike but differ
@@ -54,10 +67,10 @@ def test_cross_tokenizer_turns_equal_native_prefill_with_exact_maps(twin_tokeniz
         r = s.generate(name, q, max_tokens=8)
         view = s.transcript_of(name)
         start = r.context_tokens
-        # The model's own answer: the ids it generated, and what a native prefill
-        # of its own view of the conversation gives.
-        assert view.tokens[start:start + r.generated] == native_greedy(
-            m, s.tokenizer_of(name), view.tokens[:start], 8), f"turn {i}"
+        # The model's own answer: each id it generated is the greedy choice a native
+        # prefill of its own view of the conversation gives.
+        assert r.generated >= 1
+        assert_greedy_under_native(m, view.tokens[:start + r.generated], start)
         assert view.processed[name] == len(view)
         if i:
             # The other model's text arrives translated; template tokens and the
