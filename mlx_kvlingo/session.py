@@ -508,6 +508,11 @@ class Session:
         the other views the answer in their own tokenization."""
         view = self._view_of[name]
         if self.cross_tokenizer:
+            # The ids' own decoding, not the streamed text: mlx-lm's streaming BPE
+            # detokenizer drops the answer's leading space, after which no token's
+            # decoding agrees with the text (every offset came out empty) and the
+            # other views would read "assistant:Return" for "assistant: Return".
+            text = view.tokenizer.decode(view.tokens[start:], skip_special_tokens=True)
             view.set_offsets(start, ids_offsets(view.tokenizer, view.tokens[start:], text))
         view.message_ends.append(len(view))
         self._append_text_elsewhere(view, text, piece, name, "generated")

@@ -72,6 +72,11 @@ def test_cross_tokenizer_turns_equal_native_prefill_with_exact_maps(twin_tokeniz
         assert r.generated >= 1
         assert_greedy_under_native(m, view.tokens[:start + r.generated], start)
         assert view.processed[name] == len(view)
+        # Each generated token's characters, inside the answer's decoded text: the
+        # last one ends where that text ends (what aligns the other view to it).
+        answer = s.tokenizer_of(name).decode(view.tokens[start:start + r.generated],
+                                             skip_special_tokens=True)
+        assert view.offsets[start + r.generated - 1][1] == len(answer) > 0
         if i:
             # The other model's text arrives translated; template tokens and the
             # first position are computed natively.
