@@ -115,19 +115,29 @@ def demo_builtin(windows, context, max_tokens, repeats, fit_tokens, cache_dir):
         named.append(("stage 2 (shipped)", load_translator(toy.STAGE2_TRANSLATOR)))
     show_fidelity(pair, src, tgt, named, pair.heldout(context, 64, windows), context,
                   f"{windows} held-out windows of documents where passages and names recur")
-    # A context cut from the start of one held-out document: its continuation
-    # repeats passages the context holds.
-    ids = _document_start(stok, corpus[1], context + max_tokens)
+    # A context cut from the start of a held-out document whose continuation
+    # repeats a passage the context holds (what this pair's context is for).
+    ids = _document_start(stok, corpus[1], context + max_tokens, context)
     show_switch(src, stok, tgt, ttok, named[-1], ids[:context], max_tokens, repeats,
                 truth=ttok.decode(ids[context:]))
 
 
-def _document_start(tokenizer, docs, length: int):
+def _document_start(tokenizer, docs, length: int, context: int):
+    """The first ``length`` tokens of the first held-out document long enough whose
+    next 8 tokens after ``context`` occur in its first ``context`` (any long
+    enough one if none does)."""
+    fallback = None
     for _, text in docs:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) >= length:
+        if len(ids) < length:
+            continue
+        fallback = fallback or ids[:length]
+        head, probe = ids[:context], ids[context : context + 8]
+        if any(head[i : i + len(probe)] == probe for i in range(context - len(probe) + 1)):
             return ids[:length]
-    raise KvlingoError("No held-out document is long enough for the demo's context.")
+    if fallback is None:
+        raise KvlingoError("No held-out document is long enough for the demo's context.")
+    return fallback
 
 
 # ---------------------------------------------------------------------------

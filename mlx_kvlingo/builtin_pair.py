@@ -104,17 +104,26 @@ def builtin_session(
     **session_kwargs,
 ) -> Session:
     """A session with the built-in pair: "small" (the qwen3 source) and "large" (the
-    llama target), with stage-1 translators both ways (fitted once, cached)."""
+    llama target). small -> large uses the shipped stage-2 translator (it keeps
+    about half of what the context is worth to large; a stage-1 fit keeps ~2 %:
+    benchmarks/results/builtin-pair.md); large -> small a stage-1 translator
+    fitted once and cached (a 1,000-step stage 2 kept only 4 % that way, so none
+    ships: builtin-pair-reverse.md). A rebuilt pair gets stage 1 both ways."""
     from .models import load
-    from .toy import ensure_toy_pair
+    from .toy import ASSET_DIR, STAGE2_TRANSLATOR, ensure_toy_pair
+    from .translator import load_translator
 
     src_dir, tgt_dir = ensure_toy_pair(cache_dir, log=log)
     small, small_tok = load(src_dir)
     large, large_tok = load(tgt_dir)
     session = Session({"small": (small, small_tok), "large": (large, large_tok)},
                       **session_kwargs)
-    session.add_translator("small", "large", stage1_translator(
-        small, small_tok, large, large_tok, cache_dir, fit_tokens, log=log))
+    if Path(src_dir) == ASSET_DIR / "source" and STAGE2_TRANSLATOR.is_file():
+        forward = load_translator(STAGE2_TRANSLATOR)
+    else:
+        forward = stage1_translator(small, small_tok, large, large_tok, cache_dir, fit_tokens,
+                                    log=log)
+    session.add_translator("small", "large", forward)
     session.add_translator("large", "small", stage1_translator(
         large, large_tok, small, small_tok, cache_dir, fit_tokens, log=log))
     return session

@@ -5,13 +5,12 @@ tokens and actually use their context. Nothing can be downloaded at test time, s
 this module trains a byte-level BPE tokenizer and two small transformers of
 different shape (a qwen3 and a llama, different depth, head count and width),
 and saves each as an ordinary mlx-lm model directory that ``mlx_lm.load`` opens.
-The shipped pair's recipe is build_docstring_pair (plain docstrings; it barely
-uses its context). build_toy_pair's recipe (a copy task, then docstrings rewritten
-so that passages and names recur) makes models that copy from their context; with
-a shared embedding (the target's token embedding a fixed isometry of the
-source's, as in a model family) distilled linear maps carry half of that
-(benchmarks/assets/shared-pair, builtin-pair-training.md run 12). It is not
-shipped yet: four tests written for the first pair fail with it.
+The shipped pair's recipe is build_toy_pair with a shared embedding: a copy task,
+then docstrings rewritten so that passages and names recur, so that the models
+copy from their context; the target's token embedding is a fixed isometry of the
+source's, as in a model family, which is what lets linear maps carry the copying
+(builtin-pair-training.md, run 12). The first release's recipe
+(build_docstring_pair: plain docstrings) made a pair that barely used its context.
 """
 
 import json
@@ -345,21 +344,23 @@ def ensure_toy_pair(
     """Paths (source_dir, target_dir) of the built-in pair.
 
     The package ships a trained pair; ``rebuild=True`` trains one from scratch into
-    ``cache_dir`` with the shipped pair's recipe, build_docstring_pair (kept there
-    for the next call).
+    ``cache_dir`` with the shipped pair's recipe, build_toy_pair with a shared
+    embedding (about an hour and a half of one core here; kept there for the next
+    call, and resumed after an interruption).
     """
     shipped = ASSET_DIR / "source", ASSET_DIR / "target"
     if not rebuild and all((d / "model.safetensors").exists() for d in shipped):
         return shipped
-    return build_docstring_pair(Path(cache_dir or default_cache_dir()) / "toy-pair-800", log=log)
+    return build_toy_pair(Path(cache_dir or default_cache_dir()) / "toy-pair-shared",
+                          shared_embedding=True, log=log)
 
 
 def build_docstring_pair(out: Path, steps: int = 800, save_dtype=mx.float16,
                          log: Optional[Callable[[str], None]] = print):
-    """The shipped pair's recipe: a byte-level BPE tokenizer, then each model
+    """The first release's recipe: a byte-level BPE tokenizer, then each model
     trained for ``steps`` steps (8 x 256, lr 3e-3, cosine) on the training
     docstrings, into ``out``/{tokenizer,source,target}; parts already there are
-    reused. Its target gains only ~0.1
+    reused. That built-in pair's target gains only ~0.1
     nats/token from context (build_toy_pair is the recipe that makes the models
     copy). Its tokenizer is the one every built-in pair since uses."""
     log = log or (lambda s: None)
@@ -422,7 +423,7 @@ def build_toy_pair(out: Path, copy_steps: Optional[int] = None,
     documents' (256) in phase 2. About 35 + 12 minutes per model on one core
     here. ``shared_embedding``: the target's token embedding is the source's
     (trained first), turned by a fixed isometry and frozen (_share_embedding).
-    benchmarks/assets/shared-pair was made this way: its source is the source of
+    The shipped pair was made this way: its source is the source of
     benchmarks/assets/context-pair (phase 1 in pieces, resumed from checkpoints
     with a fresh optimizer), its target one run with shared_embedding=True.
     Without the shared embedding (benchmarks/assets/context-pair) translators
@@ -483,8 +484,8 @@ def _share_embedding(target, source_dir: Path, seed: int):
     source = mx.load(str(weights))["model.embed_tokens.weight"]
     width = target.model.embed_tokens.weight.shape[1]
     # An explicit key rather than reseeding the global generator; it draws the same
-    # numbers as mx.random.seed(seed + 1000) then normal() did when the pair in
-    # benchmarks/assets/shared-pair was made.
+    # numbers as mx.random.seed(seed + 1000) then normal() did when the shipped
+    # pair was made.
     key = mx.random.split(mx.random.key(seed + 1000))[1]
     q, _ = mx.linalg.qr(mx.random.normal((width, source.shape[1]), key=key), stream=mx.cpu)
     target.model.embed_tokens.weight = source.astype(mx.float32) @ q.T  # rows keep their norms

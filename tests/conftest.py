@@ -21,6 +21,22 @@ def toy_pair_dirs():
 
 
 @pytest.fixture(scope="session")
+def docstring_pair():
+    """The first release's built-in pair (benchmarks/assets/docstring-pair: plain
+    docstrings, independent embeddings), loaded in float32. Its target barely uses
+    its context, but a stage-1 fit on plain docstrings already carries most of
+    what it does use; the shipped pair needs stage 2 for that."""
+    from pathlib import Path
+
+    from mlx_kvlingo.models import load
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks" / "assets" / "docstring-pair"
+    src, stok = load(root / "source")
+    tgt, ttok = load(root / "target")
+    return src, stok, tgt, ttok
+
+
+@pytest.fixture(scope="session")
 def toy_pair(toy_pair_dirs):
     """(source, source_tokenizer, target, target_tokenizer), loaded in float32."""
     from mlx_kvlingo.models import load

@@ -69,10 +69,12 @@ def test_native_prefix_positions_are_left_out_of_the_fit():
 
 
 @pytest.mark.slow
-def test_stage1_between_different_models_beats_no_context(toy_pair):
+def test_stage1_between_different_models_beats_no_context(docstring_pair):
     """On held-out text, the fitted translator's KL to the native predictions is far
-    below the target's KL with no context at all."""
-    src, stok, tgt, ttok = toy_pair
+    below the target's KL with no context at all. (On the first release's pair: on
+    the shipped one stage 1 keeps only 1.5 % of the context benefit, KL ratio 0.83
+    on docstrings, and stage 2 does the rest; test_builtin_pair checks that.)"""
+    src, stok, tgt, ttok = docstring_pair
     train, heldout = data.split_documents(data.stdlib_documents())
     t = Translator.for_models(src, tgt, stok, ttok)
     fit_stage1(src, tgt, t, data.token_windows(data.token_stream(stok, train), 256, 8, 120))

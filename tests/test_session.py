@@ -262,12 +262,13 @@ def kv_cache_dir(tmp_path_factory):
 def test_builtin_session_switches_between_the_pair(kv_cache_dir, toy_pair):
     src, stok, tgt, ttok = toy_pair
     files = sorted((kv_cache_dir / "translators").glob("*.safetensors"))
-    assert len(files) == 2
-    again = stage1_translator(src, stok, tgt, ttok, kv_cache_dir)  # from the cache
+    assert len(files) == 1  # large -> small; small -> large is the shipped stage 2
+    again = stage1_translator(tgt, ttok, src, stok, kv_cache_dir)  # from the cache
     assert again.spec.training["stage"] == 1
     assert sorted((kv_cache_dir / "translators").glob("*.safetensors")) == files
     s = builtin_session(cache_dir=kv_cache_dir)
     assert s.model_names == ["small", "large"]
+    assert s.translator("small", "large").spec.training["stage"] == 2
     s.generate("small", "Return the sum of a list.", max_tokens=8)
     r = s.generate("large", "Open a file.", max_tokens=8)
     assert r.translated > 0 and not r.warnings and r.generated == 8
