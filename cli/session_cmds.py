@@ -358,6 +358,8 @@ def register(app: typer.Typer):
         native_tail: str = typer.Option(
             "0", "--native-tail", help="Native tails to time, e.g. 0,16,64."),
         repeats: int = typer.Option(3, help="Timed runs per context (medians reported)."),
+        rounds: int = typer.Option(
+            3, help="Switch and ceiling timings per run (they are cheap; the prefill is not)."),
         warmup: int = typer.Option(1, help="Untimed runs first."),
         quick: bool = typer.Option(False, help="Short run: contexts up to 256, 2 repeats."),
     ):
@@ -383,10 +385,13 @@ def register(app: typer.Typer):
                 n, w = min(repeats, 2), min(warmup, 1)
             if n < 1:
                 raise KvlingoError("--repeats must be at least 1.")
+            if rounds < 1:
+                raise KvlingoError("--rounds must be at least 1.")
             png = plot or json_out.with_suffix(".png")
             result = run_ttft_benchmark(target, source, translator, lengths, n, w,
                                         json_out=json_out, plot_out=png, log=typer.echo,
-                                        pairs=pairs.split(","), native_tails=tails)
+                                        pairs=pairs.split(","), native_tails=tails,
+                                        rounds=1 if quick else rounds)
             fields = set(TTFTRow.__dataclass_fields__)
             rows = [TTFTRow(**{k: v for k, v in r.items() if k in fields}) for r in result["rows"]]
             typer.echo(format_rows(rows))

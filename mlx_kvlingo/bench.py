@@ -20,6 +20,7 @@ Only timing is measured here: a translator with random maps times exactly like a
 trained one of the same shape, and a model can be its own source.
 """
 
+import copy
 import json
 import os
 import platform
@@ -179,16 +180,41 @@ def _timed_switch(source, target, translator, ctx, m, tokenizers):
 
 
 def _timed_prefill(target, tokens: mx.array):
-    """(re-prefill time to first token, its bare decoding step): the body over all
-    tokens but the last, then one bare step on the target's own cache."""
+    """(re-prefill time to first token, its bare decoding step, a copy of the
+    prefilled cache as it was before that step): the body over all tokens but the
+    last, then one bare step on the target's own cache. The copy (made outside the
+    timing) lets :func:`_timed_bare_step` time the same step again."""
     from .switch import SwitchResult, first_step
 
     t0 = time.perf_counter()
     cache = _evaluated(prefill(target, tokens[None, :-1]))
     t1 = time.perf_counter()
-    first_step(target, SwitchResult(cache, tokens[-1:], 0.0))
+    saved = _copy_cache(cache)
     t2 = time.perf_counter()
-    return t2 - t0, t2 - t1
+    first_step(target, SwitchResult(cache, tokens[-1:], 0.0))
+    t3 = time.perf_counter()
+    return (t1 - t0) + (t3 - t2), t3 - t2, saved
+
+
+def _copy_cache(cache):
+    """An independent copy of a prompt cache (the step writes into its arrays)."""
+    out = []
+    for c in cache:
+        n = copy.copy(c)
+        n.keys, n.values = mx.array(c.keys), mx.array(c.values)
+        out.append(n)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+def _timed_bare_step(target, saved, last: mx.array) -> float:
+    """The bare decoding step again, on a fresh copy of the prefilled cache."""
+    from .switch import SwitchResult, first_step
+
+    cache = _copy_cache(saved)
+    t0 = time.perf_counter()
+    first_step(target, SwitchResult(cache, last, 0.0))
+    return time.perf_counter() - t0
 
 
 def _map_inputs(target, translator, context: int):
@@ -254,14 +280,19 @@ def measure_ttft(
     native_tails: Sequence[int] = (0,),
     text: Optional[str] = None,
     tokenizers=None,
+    rounds: int = 3,
 ) -> List[TTFTRow]:
     """Time re-prefill, switch and the ceiling's parts side by side for each context
     length: on the first ``context`` tokens of ``stream`` (token ids read alike by
     both models), or, for models with different tokenizers, on the prefix of
     ``text`` that the target reads as ``context`` tokens (``tokenizers``: (source,
     target)). Medians of ``repeats`` runs after ``warmup`` untimed runs; within a
-    run the paths alternate so slow drift of the machine affects all alike. One row
-    per context and native tail."""
+    run the paths alternate so slow drift of the machine affects all alike. Each run
+    times the re-prefill once and the switch and the ceiling's parts (bare step,
+    maps) ``rounds`` times: they are cheap, and the fraction of the ceiling depends
+    on them alone, so their medians are over repeats x rounds (one slow first step,
+    174 against 161 ms, cost a fraction 7 points with 3 samples). One row per context and native
+    tail."""
     log = log or (lambda s: None)
     tails = sorted(set(native_tails) | {0})
     rows = []
@@ -278,21 +309,26 @@ def measure_ttft(
         sw = {m: ([], []) for m in tails}
         extra, cache_bytes = [], 0
         for i in range(warmup + repeats):
-            p, d = _timed_prefill(target, ctx.tokens)
-            ms = _timed_maps(translator, inputs)
-            for m in tails:
-                tr, fs, ex, cache_bytes_m = _timed_switch(source, target, translator, ctx, m,
-                                                          tokenizers)
+            p, d, saved = _timed_prefill(target, ctx.tokens)
+            for j in range(rounds):
+                if j:
+                    d = _timed_bare_step(target, saved, ctx.tokens[-1:])
+                ms = _timed_maps(translator, inputs)
+                for m in tails:
+                    tr, fs, ex, cache_bytes_m = _timed_switch(source, target, translator, ctx,
+                                                              m, tokenizers)
+                    if i >= warmup:
+                        sw[m][0].append(tr)
+                        sw[m][1].append(fs)
+                        if m == 0:
+                            extra.append(ex)
+                            cache_bytes = cache_bytes_m
                 if i >= warmup:
-                    sw[m][0].append(tr)
-                    sw[m][1].append(fs)
-                    if m == 0:
-                        extra.append(ex)
-                        cache_bytes = cache_bytes_m
+                    steps.append(d)
+                    maps.append(ms)
+            del saved
             if i >= warmup:
                 pre.append(p)
-                steps.append(d)
-                maps.append(ms)
         med = statistics.median
         ceiling = [d + ms for d, ms in zip(steps, maps)]
         source_mb = _nbytes(ctx.source_cache) / 2**20
@@ -368,7 +404,9 @@ def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
         f"{env['mlx']}, mlx-lm {env['mlx_lm']}, BLAS: {env['blas']}, thread settings: "
         f"{env.get('threads_env') or 'default'}; load average before / after: "
         f"{result['load_average_before']} / {env['load_average']}. Medians of "
-        f"{result['repeats']} runs after {result['warmup']} warm-up.",
+        f"{result['repeats']} runs after {result['warmup']} warm-up (the switch and the "
+        f"ceiling's parts: {result['repeats'] * result.get('rounds', 1)} samples, "
+        f"{result.get('rounds', 1)} per run).",
         "",
         "```", format_rows(rows), "```", "",
         "Split of one profiled switch (ms; an evaluation after each part):", "",
@@ -468,7 +506,7 @@ def _model_path(name: str, log) -> str:
 
 
 def measure_pair(source_path, target_path, translator_path, contexts, repeats, warmup,
-                 native_tails=(0,), log=None, loaded=None, label=None) -> dict:
+                 native_tails=(0,), log=None, loaded=None, label=None, rounds=3) -> dict:
     """One pair's rows: models loaded (``loaded``: a dict path -> (model, tokenizer)
     shared across pairs), translator from a file or random maps of the right
     geometry, text from the held-out stdlib docstrings."""
@@ -503,11 +541,11 @@ def measure_pair(source_path, target_path, translator_path, contexts, repeats, w
         text = heldout_text(ttok, max(contexts))
         rows = measure_ttft(source, target, translator, None, contexts, repeats, warmup,
                             log=log, native_tails=native_tails, text=text,
-                            tokenizers=(stok, ttok))
+                            tokenizers=(stok, ttok), rounds=rounds)
     else:
         stream = heldout_stream(ttok, max(contexts))
         rows = measure_ttft(source, target, translator, stream, contexts, repeats, warmup,
-                            log=log, native_tails=native_tails)
+                            log=log, native_tails=native_tails, rounds=rounds)
     for r in rows:
         r.pair = pair
     return {"source": str(source_path), "target": str(target_path), "translator": kind,
@@ -524,7 +562,9 @@ NOTE = (
     "switch.first_step. Ceiling: ceiling_s = decode_step_s + maps_s (the translator's map "
     "matmuls alone over the positions the target's cache holds, inputs in memory); "
     "ceiling_ratio = prefill_s / ceiling_s; fraction = ratio / ceiling_ratio. All parts "
-    "are timed in the same run, interleaved; medians of `repeats`. translate_profile: one "
+    "are timed in the same run, interleaved; prefill_s: median of `repeats`; the switch and "
+    "the ceiling's parts: medians of `repeats` x `rounds` (each run times them `rounds` "
+    "times after its one re-prefill). translate_profile: one "
     "profiled switch (an evaluation after each part). Memory (MB, MLX allocator): "
     "switch_peak_mb = source cache + maps + the switch's own allocations at their peak "
     "(translation and first step); bound_mb = source cache + target cache + maps + two "
@@ -545,6 +585,7 @@ def run_ttft_benchmark(
     log: Optional[Callable[[str], None]] = print,
     pairs: Optional[Sequence[str]] = None,
     native_tails: Sequence[int] = (0,),
+    rounds: int = 3,
 ) -> dict:
     """The TTFT benchmark over ``pairs`` ("source:target", models by path or built-in
     name; default: SmolLM2 -> SmolLM2 and both directions of Gemma 3 270M <->
@@ -568,7 +609,7 @@ def run_ttft_benchmark(
         label = f"{Path(source_name).name} -> {Path(target_name).name}"
         results.append(measure_pair(
             _model_path(source_name, log), _model_path(target_name, log),
-            translator_path, contexts, repeats, warmup, native_tails, log, loaded, label))
+            translator_path, contexts, repeats, warmup, native_tails, log, loaded, label, rounds))
     rows = [r for p in results for r in p["rows"]]
     result = {
         "benchmark": "ttft",
@@ -578,6 +619,7 @@ def run_ttft_benchmark(
         "translator": results[0]["translator"],
         "note": NOTE,
         "repeats": repeats,
+        "rounds": rounds,
         "warmup": warmup,
         "native_tails": sorted(set(native_tails) | {0}),
         "environment": environment(),

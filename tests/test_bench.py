@@ -30,7 +30,7 @@ def test_measure_ttft_times_switch_prefill_and_ceiling(toy_pair, tmp_path):
     stream = stok.encode("Return a new list containing all items from the iterable in "
                          "ascending order. " * 8)
     rows = measure_ttft(src, tgt, translator, stream, contexts=(16, 48), repeats=2, warmup=1,
-                        native_tails=(0, 4))
+                        native_tails=(0, 4), rounds=3)
     assert [(r.context, r.native_tail) for r in rows] == [(16, 0), (16, 4), (48, 0), (48, 4)]
     for r in rows:
         d = r.to_dict()
@@ -39,7 +39,8 @@ def test_measure_ttft_times_switch_prefill_and_ceiling(toy_pair, tmp_path):
         assert abs(r.ratio - r.prefill_s / r.switch_s) < 1e-9
         assert abs(r.ceiling_s - (r.decode_step_s + r.maps_s)) < 0.5 * r.ceiling_s
         assert abs(r.fraction - r.ratio / r.ceiling_ratio) < 1e-9
-        assert len(r.switch_all_s) == len(r.prefill_all_s) == len(r.ceiling_all_s) == 2
+        assert len(r.prefill_all_s) == 2  # one re-prefill per run
+        assert len(r.switch_all_s) == len(r.ceiling_all_s) == 2 * 3  # rounds per run
         mem = r.memory
         assert mem["target_cache_mb"] > 0 and mem["source_cache_mb"] > 0 and mem["maps_mb"] > 0
         assert abs(mem["bound_mb"] - (mem["source_cache_mb"] + mem["target_cache_mb"]
@@ -51,6 +52,25 @@ def test_measure_ttft_times_switch_prefill_and_ceiling(toy_pair, tmp_path):
     assert len(format_split(rows).splitlines()) == 3  # header + one profile per context
     plot_ttft(rows, tmp_path / "ttft.png")
     assert (tmp_path / "ttft.png").stat().st_size > 1000
+
+
+def test_the_bare_step_is_timed_again_on_an_untouched_copy_of_the_prefill(toy_pair):
+    """The ceiling's bare step, re-timed each round, runs on a fresh copy of the
+    prefilled cache: the copy it is made from keeps its length and contents."""
+    import mlx.core as mx
+
+    from mlx_kvlingo.bench import _timed_bare_step, _timed_prefill
+
+    _, stok, tgt, _ = toy_pair
+    tokens = mx.array(stok.encode("Return a new list of the items. " * 6))
+    p, d, saved = _timed_prefill(tgt, tokens)
+    assert p > d > 0
+    before = [(c.offset, mx.array(c.keys)) for c in saved]
+    for _ in range(2):
+        assert _timed_bare_step(tgt, saved, tokens[-1:]) > 0
+    for (offset, keys), c in zip(before, saved):
+        assert c.offset == offset == tokens.size - 1
+        assert mx.array_equal(c.keys, keys)
 
 
 def test_measure_ttft_aligns_text_for_different_tokenizers():
