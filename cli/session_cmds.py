@@ -78,7 +78,7 @@ def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, syst
 
     if not models:
         if translators:
-            raise KvlingoError("--translator needs --model (the built-in pair fits its own).")
+            raise KvlingoError("--translator needs --model (the built-in pair brings its own).")
         typer.echo("No --model given: using the built-in pair (small = qwen3, large = llama).")
         return builtin_session(cache_dir, fit_tokens, log=typer.echo, system_prompt=system)
     paths = _parse_models(models)
