@@ -105,7 +105,7 @@ def builtin_session(
 ) -> Session:
     """A session with the built-in pair: "small" (the qwen3 source) and "large" (the
     llama target). small -> large uses the shipped stage-2 translator (it keeps
-    about half of what the context is worth to large; a stage-1 fit keeps ~2 %:
+    ~60 % of what the context is worth to large; a stage-1 fit keeps ~2 %:
     benchmarks/results/builtin-pair.md); large -> small a stage-1 translator
     fitted once and cached (a 1,000-step stage 2 kept only 4 % that way, so none
     ships: builtin-pair-reverse.md). A rebuilt pair gets stage 1 both ways."""
