@@ -291,8 +291,8 @@ def measure_ttft(
     times the re-prefill once and the switch and the ceiling's parts (bare step,
     maps) ``rounds`` times: they are cheap, and the fraction of the ceiling depends
     on them alone, so their medians are over repeats x rounds (one slow first step,
-    174 against 161 ms, cost a fraction 7 points with 3 samples). One row per context and native
-    tail."""
+    174 against 161 ms, cost a fraction 7 points with 3 samples). One row per
+    context and native tail."""
     log = log or (lambda s: None)
     tails = sorted(set(native_tails) | {0})
     rows = []
