@@ -105,7 +105,8 @@ def run_config(args, ranks: int, threads: int, out: Path) -> dict:
           *(["--source", args.source] if args.source else []),
           *(str(x) for k in ("context", "continuation", "batch_size", "accumulate", "steps",
                              "warmup") for x in (f"--{k.replace('_', '-')}", getattr(args, k)))]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               HF_HUB_OFFLINE="1")
     if ranks == 1:
         cmd = [sys.executable, *me]
     else:

@@ -423,7 +423,8 @@ def train(
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
     peer_timeout: float = typer.Option(
         1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
-        "gives up on the others (a vanished machine closes no socket); 0 = wait for ever."),
+        "gives up on the others (a vanished machine closes no socket; the first step gets "
+        "4x); 0 = wait for ever."),
 ):
     """Train a translator: stage 1 (closed form) then stage 2 (distillation).
 

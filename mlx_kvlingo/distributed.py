@@ -243,17 +243,27 @@ class Watchdog:
     and at the deadline this process prints why and exits with status 1 (from a
     timer thread: the main thread is blocked inside MLX). Files are written
     atomically, so the last checkpoint stays whole. ``seconds`` 0: no deadline.
+
+    The first step a process arms gets ``FIRST_STEP_GRACE`` times the limit: it alone
+    pays one-time costs (allocation, the teacher's first passes, a peer still loading
+    its models), which on a loaded machine outlasted a limit that the steps after it
+    kept to (CI: both ranks gave up on step 1 at 15 s; later steps took 1-10 s).
     """
+
+    FIRST_STEP_GRACE = 4
 
     def __init__(self, seconds: float, g, hint: str = ""):
         self.seconds = seconds if g is not None else 0
         self.g, self.hint = g, hint
         self._timer = None
+        self._armed_before = False
 
     def arm(self, what: str):
         self.disarm()
         if self.seconds > 0:
-            self._timer = threading.Timer(self.seconds, self._fire, args=(what,))
+            limit = self.seconds * (1 if self._armed_before else self.FIRST_STEP_GRACE)
+            self._armed_before = True
+            self._timer = threading.Timer(limit, self._fire, args=(what, limit))
             self._timer.daemon = True
             self._timer.start()
 
@@ -268,10 +278,10 @@ class Watchdog:
     def __exit__(self, *exc):  # never outlive the loop it guards (e.g. on an error)
         self.disarm()
 
-    def _fire(self, what: str):
+    def _fire(self, what: str, limit: float):
         sys.stderr.write(
             f"error: Rank {rank(self.g)} of {size(self.g)} waited more than "
-            f"{self.seconds:g}s for {what}: another process of the run is stuck or "
+            f"{limit:g}s for {what}: another process of the run is stuck or "
             f"unreachable (--peer-timeout sets this limit). {self.hint}\n")
         sys.stderr.flush()
         os._exit(1)

@@ -111,7 +111,10 @@ def _launch(args, n=2):
 
 
 def _env():
-    return dict(os.environ, HF_HUB_OFFLINE="1", OPENBLAS_NUM_THREADS="1")
+    # One BLAS thread per rank, whichever BLAS is loaded (MKL where the machine has no
+    # OpenBLAS): two ranks of two threads each on two cores made steps take 1-10 s.
+    return dict(os.environ, HF_HUB_OFFLINE="1", OPENBLAS_NUM_THREADS="1",
+                MKL_NUM_THREADS="1", OMP_NUM_THREADS="1")
 
 
 def _worker(tmp_path, mode, ranks):
@@ -293,6 +296,23 @@ def test_a_frozen_rank_times_out_the_others(toy_pair_dirs, tmp_path):
     assert "error: Rank 0 of 2 waited more than 15s for step" in err
     assert "is intact: run the same mlx.launch command with --resume" in err
     assert "Node with rank 0 exited with code 1" in err
+
+
+def test_the_watchdog_gives_the_first_step_its_grace_and_then_the_limit():
+    from mlx_kvlingo.distributed import Watchdog
+
+    fired = []
+    with Watchdog(0.05, _Rank(0, 2)) as dog:
+        dog._fire = lambda what, limit: fired.append((what, limit))  # not os._exit
+        dog.arm("step 1")
+        assert dog._timer.interval == 0.05 * Watchdog.FIRST_STEP_GRACE
+        time.sleep(0.05 * 2)
+        assert fired == []  # past the limit, within the grace
+        dog.arm("step 2")  # re-arming cancels step 1's deadline
+        assert dog._timer.interval == 0.05
+        time.sleep(0.3)
+        assert fired == [("step 2", 0.05)]
+    assert Watchdog(5, None)._timer is None and Watchdog(5, None).seconds == 0  # one process
 
 
 class _Rank:
