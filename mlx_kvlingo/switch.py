@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -218,25 +219,36 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         for j in layers:
             source_first[j] = min(source_first.get(j, first), first)
     top = max(last for _, last in spans)
-    # Source positions per target position; prefix and free rows read any row.
-    index = [i if i >= 0 else None for i in alignment.source_index[:hi]] + [None] * (top - hi)
-    shared = all(i is None or i == p for p, i in enumerate(index))
-    last_use = {j: i for i, layers in enumerate(layer_map) for j in layers}
+    # Source positions per target position (-1: prefix and free rows, any row will do).
+    index = np.full(top, -1, dtype=np.int64)
+    index[:hi] = np.maximum(np.asarray(alignment.source_index[:hi], dtype=np.int64), -1)
+    shared = bool(np.all((index < 0) | (index == np.arange(top))))
+    plans = {}  # one per distinct first row (full layers, sliding windows): built once
+    # Layers in order of size, largest first (stable): the copy stream's reads and
+    # rotations of one layer overlap the matmuls of its neighbours in this order, so
+    # a model mixing full and sliding-window layers (Gemma 3: 1 full in 6) must not
+    # put each large layer between small ones, whose matmuls hide nothing of its
+    # copies (SmolLM2 -> Gemma 3 at 4096 tokens: no overlap at all in model order).
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0] - spans[i][1])
+    last_use = {j: n for n, i in enumerate(order) for j in layer_map[i]}
     features = {}
     copies = _copy_stream() if phases is None else None
 
     def read_sources(i):
         for j in layer_map[i]:
             if j not in features:
-                features[j] = _source_rows(source, source_cache, j, source_first[j],
-                                           index[source_first[j] :], shared, copies)
+                first = source_first[j]
+                if first not in plans:
+                    plans[first] = _RowPlan.of(index[first:], first, shared)
+                features[j] = _source_rows(source, source_cache, j, plans[first], copies)
                 if phases is None:
                     mx.async_eval(features[j])
 
     cache = make_prompt_cache(target)
-    read_sources(0)
+    read_sources(order[0])
     in_flight = []
-    for i, (c, lg, layers) in enumerate(zip(cache, geometry.layers, layer_map)):
+    for n, i in enumerate(order):
+        c, lg, layers = cache[i], geometry.layers[i], layer_map[i]
         first, last = spans[i]
         rows = last - first
         # async_eval returns at once: without a wait the loop would queue every
@@ -246,9 +258,9 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         # back would starve the second stream (1.5x slower here).
         while len(in_flight) >= _LAYERS_IN_FLIGHT:
             mx.eval(in_flight.pop(0))
-        if i + 1 < len(cache):  # queued ahead, so it runs beside this layer's matmuls
-            read_sources(i + 1)
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
+            if n + 1 < len(order):
+                read_sources(order[n + 1])
             keys, values = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
             set_layer(c, keys, values, hi, hi - first)
             _phase(phases, "native_prefix_s", [keys, values])  # target-computed K/V
@@ -260,6 +272,10 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                           for j in layers])
             xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
                           for j in layers])
+        # The next layer's sources are queued on the copy stream *after* this layer's
+        # inputs, which the matmuls wait for, so that they run beside the matmuls.
+        if n + 1 < len(order):
+            read_sources(order[n + 1])
         _phase(phases, "read_unrope_s", [xk, xv])
         keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
         _phase(phases, "maps_s", [keys, values])
@@ -280,7 +296,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         set_layer(c, keys, values, hi, hi - first)
         _phase(phases, "rerope_write_s", [keys, values])
         for j in layers:  # free source features after their last reader
-            if last_use[j] == i:
+            if last_use[j] == n:
                 del features[j]
         del xk, xv, keys, values
         if phases is None:
@@ -318,44 +334,72 @@ def _phase(phases: Optional[dict], name: str, arrays):
     phases["_mark"] = now
 
 
-def _source_rows(source, source_cache, layer: int, first: int, index: List[Optional[int]],
-                 shared: bool, stream=None):
-    """Content-space keys and values [B, len(index), heads*head_dim] of source
-    ``layer``, row r holding source position ``index[r]`` (None: any row; its map
-    output is never read). ``first``: the target position of row 0; ``shared``: row
-    r holds position first + r wherever it is not None. The work runs on
-    ``stream`` (default: the current stream).
+@dataclass
+class _RowPlan:
+    """Which source positions a layer buffer's rows read: row r (target position
+    first + r) holds source position ``lo + rows[r]``; ``shared``: that is position
+    first + r wherever it matters (a shared tokenizer). Built once per switch and
+    distinct first row, so the per-layer work does no Python loop over the context."""
+
+    first: int
+    count: int
+    lo: int
+    top: int
+    offsets: np.ndarray
+    shared: bool
+    _rows: Optional[mx.array] = None
+
+    @classmethod
+    def of(cls, index: np.ndarray, first: int, shared: bool) -> "_RowPlan":
+        wanted = index[index >= 0]
+        lo, top = int(wanted.min()), int(wanted.max())
+        offsets = (np.where(index >= 0, index, lo) - lo).astype(np.int32)
+        return cls(first, len(index), lo, top, offsets, shared)
+
+    @property
+    def rows(self) -> mx.array:
+        if self._rows is None:  # made when first gathered with (not on a shared pair's path)
+            self._rows = mx.array(self.offsets)
+        return self._rows
+
+
+def _source_rows(source, source_cache, layer: int, plan: _RowPlan, stream=None):
+    """Content-space keys and values [B, plan.count, heads*head_dim] of source
+    ``layer``, row r holding the source position the plan gives it (rows no map
+    output is read from hold any position). The work runs on ``stream`` (default:
+    the current stream).
 
     A shared tokenizer reads a contiguous range of the cache's own buffer (spare
-    rows past its length included), un-rotated and flattened by one fused kernel;
-    otherwise rows are gathered."""
-    wanted = [i for i in index if i is not None]
-    lo, top = min(wanted), max(wanted)
-    _check_source_holds(source_cache, top)
+    rows past its length included), un-rotated and flattened by one fused kernel.
+    Otherwise the range the rows need is read the same way and its rows gathered."""
+    _check_source_holds(source_cache, plan.top)
     c = source_cache[layer]
-    rows = None
-    if shared and type(c) is KVCache and c.keys is not None and c.keys.shape[2] >= first + len(index):
-        keys = c.keys[..., first : first + len(index), :]
-        values = c.values[..., first : first + len(index), :]
-        start = first
-    else:
-        keys, values, s = read_layer(c)
-        if keys is None or s > lo:
-            raise KvlingoError(
-                f"Layer {layer} of the source cache holds positions {s}.."
-                f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions {lo}..{top} "
-                "are needed: a sliding-window layer has dropped early tokens. Prefill the "
-                "source in one pass (mlx_kvlingo.models.prefill) to get complete features."
-            )
-        keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
-        start = lo
-        rows = mx.array([(lo if i is None else i) - lo for i in index])
-    B, H, n, D = keys.shape
+    first, n = plan.first, plan.count
+    if plan.shared and type(c) is KVCache and c.keys is not None \
+            and c.keys.shape[2] >= first + n:
+        with _on(stream):
+            keys = _content_keys(source, layer, c.keys[..., first : first + n, :], first)
+            B, H, _, D = c.values.shape
+            values = c.values[..., first : first + n, :].transpose(0, 2, 1, 3)
+            return keys, values.reshape(B, n, H * D)
+    keys, values, s = read_layer(c)
+    if keys is None or s > plan.lo:
+        raise KvlingoError(
+            f"Layer {layer} of the source cache holds positions {s}.."
+            f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions "
+            f"{plan.lo}..{plan.top} are needed: a sliding-window layer has dropped early "
+            "tokens. Prefill the source in one pass (mlx_kvlingo.models.prefill) to get "
+            "complete features."
+        )
+    keys = keys[..., plan.lo - s : plan.top + 1 - s, :]
+    values = values[..., plan.lo - s : plan.top + 1 - s, :]
+    B, H, _, D = keys.shape
     with _on(stream):
-        keys = _content_keys(source, layer, keys, start)
-        values = values.transpose(0, 2, 1, 3).reshape(B, n, H * D)
-        if rows is not None:
-            keys, values = keys[:, rows], values[:, rows]
+        # Un-rotate the range, then gather rows of the flat [B, T, H*D] layout: whole
+        # rows move at once (mx.take along the positions of the cache layout, one
+        # pass instead of two, was 2-5x slower here).
+        keys = _content_keys(source, layer, keys, plan.lo)[:, plan.rows]
+        values = values.transpose(0, 2, 1, 3).reshape(B, -1, H * D)[:, plan.rows]
     return keys, values
 
 
