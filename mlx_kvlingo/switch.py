@@ -223,26 +223,57 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     index = np.full(top, -1, dtype=np.int64)
     index[:hi] = np.maximum(np.asarray(alignment.source_index[:hi], dtype=np.int64), -1)
     shared = bool(np.all((index < 0) | (index == np.arange(top))))
-    plans = {}  # one per distinct first row (full layers, sliding windows): built once
+    plans = {}  # per distinct row range (full layers, sliding windows): built once
+
+    def plan(first, last):
+        if (first, last) not in plans:
+            plans[first, last] = _RowPlan.of(index[first:last], first, shared)
+        return plans[first, last]
+
+    # Different tokenizers: a layer maps the source's rows, then gathers the outputs
+    # per target row, where the source holds fewer rows than the target reads (the
+    # maps act per token, so this is the same result for fewer multiply-adds: Gemma
+    # 3 -> SmolLM2, ~7% fewer); otherwise it gathers its inputs first.
+    map_first = {i: not shared and plan(*spans[i]).top - plan(*spans[i]).lo + 1
+                 < spans[i][1] - spans[i][0] for i, layers in enumerate(layer_map) if layers}
     # Layers in order of size, largest first (stable): the copy stream's reads and
     # rotations of one layer overlap the matmuls of its neighbours in this order, so
     # a model mixing full and sliding-window layers (Gemma 3: 1 full in 6) must not
     # put each large layer between small ones, whose matmuls hide nothing of its
     # copies (SmolLM2 -> Gemma 3 at 4096 tokens: no overlap at all in model order).
     order = sorted(range(len(spans)), key=lambda i: spans[i][0] - spans[i][1])
-    last_use = {j: n for n, i in enumerate(order) for j in layer_map[i]}
+    last_use = {}
+    for n, i in enumerate(order):
+        for j in layer_map[i]:
+            last_use[j, map_first.get(i)] = n
+    # (source layer, map first) -> content keys and values of that source layer: per
+    # target row from source_first (gathered), or its source rows lo..top (ranges).
     features = {}
     copies = _copy_stream() if phases is None else None
 
     def read_sources(i):
         for j in layer_map[i]:
-            if j not in features:
-                first = source_first[j]
-                if first not in plans:
-                    plans[first] = _RowPlan.of(index[first:], first, shared)
-                features[j] = _source_rows(source, source_cache, j, plans[first], copies)
+            key = (j, map_first[i])
+            if key not in features:
+                p = plan(source_first[j], top)
+                if map_first[i]:
+                    features[key] = _source_range(source, source_cache, j, p.lo, p.top, copies)
+                else:
+                    features[key] = _source_rows(source, source_cache, j, p, copies)
                 if phases is None:
-                    mx.async_eval(features[j])
+                    mx.async_eval(features[key])
+
+    def inputs(i, first, last):
+        """Layer i's map inputs (keys, values); with map_first, their source rows."""
+        if map_first[i]:
+            p = plan(first, last)
+            cuts = {j: plan(source_first[j], top).lo for j in layer_map[i]}
+            parts = [(features[j, True], p.lo - cuts[j], p.top + 1 - cuts[j])
+                     for j in layer_map[i]]
+        else:
+            parts = [(features[j, False], first - source_first[j], last - source_first[j])
+                     for j in layer_map[i]]
+        return tuple(_concat([f[t][:, a:b] for f, a, b in parts]) for t in (0, 1))
 
     cache = make_prompt_cache(target)
     read_sources(order[0])
@@ -268,16 +299,17 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 mx.async_eval(c.keys, c.values)
             continue
         with _on(copies):  # several source layers per map: concatenated beside the matmuls
-            xk = _concat([features[j][0][:, first - source_first[j] : last - source_first[j]]
-                          for j in layers])
-            xv = _concat([features[j][1][:, first - source_first[j] : last - source_first[j]]
-                          for j in layers])
+            xk, xv = inputs(i, first, last)
         # The next layer's sources are queued on the copy stream *after* this layer's
         # inputs, which the matmuls wait for, so that they run beside the matmuls.
         if n + 1 < len(order):
             read_sources(order[n + 1])
         _phase(phases, "read_unrope_s", [xk, xv])
         keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
+        if map_first[i]:  # one output row per target row
+            with _on(copies):
+                rows_of = plan(first, last).rows
+                keys, values = keys[:, rows_of], values[:, rows_of]
         _phase(phases, "maps_s", [keys, values])
         with _on(copies):
             keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
@@ -296,8 +328,8 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         set_layer(c, keys, values, hi, hi - first)
         _phase(phases, "rerope_write_s", [keys, values])
         for j in layers:  # free source features after their last reader
-            if last_use[j] == n:
-                del features[j]
+            if last_use[j, map_first[i]] == n:
+                del features[j, map_first[i]]
         del xk, xv, keys, values
         if phases is None:
             # Layer by layer: about two layers' intermediates are alive (this one
@@ -382,25 +414,31 @@ def _source_rows(source, source_cache, layer: int, plan: _RowPlan, stream=None):
             B, H, _, D = c.values.shape
             values = c.values[..., first : first + n, :].transpose(0, 2, 1, 3)
             return keys, values.reshape(B, n, H * D)
-    keys, values, s = read_layer(c)
-    if keys is None or s > plan.lo:
+    keys, values = _source_range(source, source_cache, layer, plan.lo, plan.top, stream)
+    with _on(stream):
+        # Gather whole rows of the flat [B, T, H*D] layout (mx.take along the
+        # positions of the cache layout, to save a pass, was 2-5x slower here).
+        return keys[:, plan.rows], values[:, plan.rows]
+
+
+def _source_range(source, source_cache, layer: int, lo: int, top: int, stream=None):
+    """Content-space keys and values [B, top - lo + 1, heads*head_dim] of source
+    ``layer`` at positions lo..top, computed on ``stream``."""
+    _check_source_holds(source_cache, top)
+    keys, values, s = read_layer(source_cache[layer])
+    if keys is None or s > lo:
         raise KvlingoError(
             f"Layer {layer} of the source cache holds positions {s}.."
             f"{s + (0 if keys is None else keys.shape[2]) - 1}, but positions "
-            f"{plan.lo}..{plan.top} are needed: a sliding-window layer has dropped early "
+            f"{lo}..{top} are needed: a sliding-window layer has dropped early "
             "tokens. Prefill the source in one pass (mlx_kvlingo.models.prefill) to get "
             "complete features."
         )
-    keys = keys[..., plan.lo - s : plan.top + 1 - s, :]
-    values = values[..., plan.lo - s : plan.top + 1 - s, :]
-    B, H, _, D = keys.shape
+    keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
+    B, H, n, D = keys.shape
     with _on(stream):
-        # Un-rotate the range, then gather rows of the flat [B, T, H*D] layout: whole
-        # rows move at once (mx.take along the positions of the cache layout, one
-        # pass instead of two, was 2-5x slower here).
-        keys = _content_keys(source, layer, keys, plan.lo)[:, plan.rows]
-        values = values.transpose(0, 2, 1, 3).reshape(B, -1, H * D)[:, plan.rows]
-    return keys, values
+        return (_content_keys(source, layer, keys, lo),
+                values.transpose(0, 2, 1, 3).reshape(B, n, H * D))
 
 
 def _content_keys(source, layer: int, keys, start: int):

@@ -129,10 +129,16 @@ def test_fresh_cache_path_equals_the_layer_by_layer_path(arch):
     t = _random_translator(m, m, sources_per_layer=2 if arch == "llama" else 1)
     tokens = mx.random.randint(0, 97, (1, 30), key=mx.random.key(2))
     source_cache = prefill(m, tokens[:, :29])
-    for index in (None, [NATIVE, 1, 1, 2, 5, 4] + list(range(6, 29))):  # shared, gathered
+    # A source that read 59 tokens for the target's 30 (a cross-tokenizer pair whose
+    # source tokenizes finer): its rows are gathered before the maps.
+    long_source = prefill(m, mx.random.randint(0, 97, (1, 59), key=mx.random.key(3)))
+    cases = [(None, source_cache),  # shared tokenizer
+             ([NATIVE, 1, 1, 2, 5, 4] + list(range(6, 29)), source_cache),  # mapped, gathered
+             ([NATIVE] + [2 * i for i in range(1, 29)] + [58], long_source)]  # gathered, mapped
+    for index, source_cache in cases:
         a = identity_alignment(tokens[0].tolist(), 1)
         if index is not None:
-            a.source_index = index + [29]
+            a.source_index = index + ([29] if len(index) < 30 else [])
         fast = translate_aligned(m, m, t, source_cache, None, a, 29)
         slow = translate_aligned(m, m, t, source_cache, make_prompt_cache(m), a, 29)
         for (fk, fv, fs), (sk, sv, ss) in zip(_layers(fast), _layers(slow)):
