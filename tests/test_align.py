@@ -215,3 +215,31 @@ def test_switch_text_with_the_sources_tokenization_given_is_the_same_switch(toke
                         source_tokens=shifted)
     assert not mx.array_equal(cache_features(tgt, other.cache)[0][1], keys[0][1])
 
+
+
+@pytest.mark.parametrize("native_layer0", [False, True])
+def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native_layer0):
+    """switch_text maps one layer over every source row before it aligns the text
+    (beside the tokenization), then gathers its rows: the same cache as translating
+    span by span into an empty cache, and the early layer is really used."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvlingo.models import prefill, read_layer
+    from mlx_kvlingo.switch import _map_early_layer, switch_text, translate_aligned
+
+    stok, ttok = tokenizers
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    t.spec.native_layer0 = native_layer0
+    source_cache = prefill(src, mx.array(tokenize_with_offsets(stok, TEXT)[0])[None])
+    early = _map_early_layer(src, tgt, t, source_cache)
+    assert early is not None and early.layer == (1 if native_layer0 else 0)
+    r = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache, native_tail=0)
+    a = align_text(stok, ttok, TEXT, t.spec.native_prefix)
+    end = len(a.target_tokens) - 1
+    slow = translate_aligned(src, tgt, t, source_cache, make_prompt_cache(tgt), a, end,
+                             native_tail=0)
+    for c, d in zip(r.cache, slow):
+        (fk, fv, fs), (sk, sv, ss) = read_layer(c), read_layer(d)
+        assert fs == ss and fk.shape == sk.shape
+        assert mx.abs(fk - sk).max().item() < 1e-4 and mx.abs(fv - sv).max().item() < 1e-4
