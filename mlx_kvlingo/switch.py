@@ -195,8 +195,9 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     memoized native prefix), k..hi-1 translated, with ``room`` free positions.
 
     Per target layer the maps run over every row of the layer's buffer (its prefix
-    and free rows too, a few wasted rows), so that the map outputs *are* the
-    buffers: keys get re-rotated by one fused kernel that writes cache layout,
+    and free rows too, a few wasted rows; with different tokenizers, over the
+    source's rows when those are fewer, then gathered), so that the map outputs
+    *are* the buffers: keys get re-rotated by one fused kernel that writes cache layout,
     values are transposed once, the prefix rows are overwritten in place. No
     concatenation copies the cache. Sliding-window layers hold (and translate)
     only the positions they keep. ``early``: one layer's maps already queued over
@@ -309,6 +310,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
             if n + 1 < len(order):
                 read_sources(order[n + 1])
             xk = xv = None
+            _check_source_holds(source_cache, int(index.max()))  # the gather cannot check
             with _on(copies):
                 keys, values = early.gather(index)
         else:

@@ -243,3 +243,17 @@ def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native
         (fk, fv, fs), (sk, sv, ss) = read_layer(c), read_layer(d)
         assert fs == ss and fk.shape == sk.shape
         assert mx.abs(fk - sk).max().item() < 1e-4 and mx.abs(fv - sv).max().item() < 1e-4
+
+
+def test_switch_text_refuses_a_source_cache_shorter_than_the_text(tokenizers):
+    """Refused by name, not read past: the early layer's gather alone would not notice."""
+    from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo.switch import switch_text
+
+    stok, ttok = tokenizers
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    ids = tokenize_with_offsets(stok, TEXT)[0]
+    short = prefill(src, mx.array(ids[: len(ids) // 2])[None])
+    with pytest.raises(KvlingoError, match="source cache holds"):
+        switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=short, native_tail=0)
