@@ -246,8 +246,8 @@ class Watchdog:
 
     The first step a process arms gets ``FIRST_STEP_GRACE`` times the limit: it alone
     pays one-time costs (allocation, the teacher's first passes, a peer still loading
-    its models), which on a loaded machine outlasted a limit that the steps after it
-    kept to (CI: both ranks gave up on step 1 at 15 s; later steps took 1-10 s).
+    its models), so a limit sized for the steady steps must not end the run there (a
+    loaded CI machine once had both ranks give up on step 1 at 15 s).
     """
 
     FIRST_STEP_GRACE = 4

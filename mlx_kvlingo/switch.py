@@ -238,8 +238,12 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     # per target row, where the source holds fewer rows than the target reads (the
     # maps act per token, so this is the same result for fewer multiply-adds: Gemma
     # 3 -> SmolLM2, ~7% fewer); otherwise it gathers its inputs first.
-    map_first = {i: not shared and plan(*spans[i]).top - plan(*spans[i]).lo + 1
-                 < spans[i][1] - spans[i][0] for i, layers in enumerate(layer_map) if layers}
+    def fewer_source_rows(first, last):
+        p = plan(first, last)
+        return p.top - p.lo + 1 < last - first
+
+    map_first = {i: not shared and fewer_source_rows(*spans[i])
+                 for i, layers in enumerate(layer_map) if layers}
     # Layers in order of size, largest first (stable): the copy stream's reads and
     # rotations of one layer overlap the matmuls of its neighbours in this order, so
     # a model mixing full and sliding-window layers (Gemma 3: 1 full in 6) must not
@@ -251,7 +255,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     last_use = {}
     for n, i in enumerate(order):
         for j in layer_map[i] if early is None or i != early.layer else ():
-            last_use[j, map_first.get(i)] = n
+            last_use[j, map_first[i]] = n
     # (source layer, map first) -> content keys and values of that source layer: per
     # target row from source_first (gathered), or its source rows lo..top (ranges).
     features = {}
