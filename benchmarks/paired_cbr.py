@@ -1,13 +1,20 @@
-"""CBR with its interval per translator, native tail and context of one
-`mlx-kvlingo eval --json` report, and, for a report of two translators, the first
-minus the second, paired (the same windows, resampled together).
+"""CBR with its interval per translator, native tail and context of `mlx-kvlingo eval
+--json` reports, and, when they hold two translators, the first minus the second,
+paired (the same windows, resampled together).
 
-    python benchmarks/paired_cbr.py REPORT.json
+    python benchmarks/paired_cbr.py REPORT.json [OTHER.json]
+
+With two reports (e.g. a new translator's eval and an earlier one of the shipped
+file), their rows are merged; pairing needs the same windows, so both reports must
+have been made with the same corpus, windows, lengths and continuation length.
 """
 import json
 import sys
 
 from mlx_kvlingo.evaluate import Fidelity, cbr_difference
+
+# What makes two reports' windows the same ones.
+SAME_WINDOWS = ("source", "target", "corpus", "continuation_len", "windows")
 
 
 def rows_of(report: dict) -> dict:
@@ -16,8 +23,28 @@ def rows_of(report: dict) -> dict:
             for e in report["translators"] for ctx, d in e["results"].items()}
 
 
-def main(path: str):
-    rows = rows_of(json.loads(open(path).read()))
+def merged_rows(reports: list) -> dict:
+    first = reports[0]
+    for other in reports[1:]:
+        differ = [k for k in SAME_WINDOWS if other.get(k) != first.get(k)]
+        if differ:
+            sys.exit(f"The reports were not made on the same windows (they differ in {differ}).")
+    rows = {}
+    for report in reports:
+        for key, f in rows_of(report).items():
+            rows.setdefault(key, f)  # a translator in both reports: the first report's row
+    return rows
+
+
+def _same_windows(a: Fidelity, b: Fidelity) -> bool:
+    """Identical windows give identical native (re-prefill) and no-context NLLs."""
+    return len(a.windows) == len(b.windows) and all(
+        abs(x["native"] - y["native"]) < 1e-4 and abs(x["none"] - y["none"]) < 1e-4
+        for x, y in zip(a.windows, b.windows))
+
+
+def main(paths: list):
+    rows = merged_rows([json.loads(open(p).read()) for p in paths])
     for (name, tail, ctx), f in rows.items():
         lo, hi = f.cbr_interval()
         print(f"{name:60s} tail {tail:>2} ctx {ctx:>5}: CBR {f.cbr:.1%} [{lo:.1%}, {hi:.1%}] "
@@ -26,11 +53,17 @@ def main(path: str):
     if len(names) == 2:
         a, b = names
         for (name, tail, ctx), f in rows.items():
-            if name == a:
-                d, (lo, hi) = cbr_difference(f, rows[b, tail, ctx])
+            if name == a and (b, tail, ctx) in rows:
+                g = rows[b, tail, ctx]
+                if not _same_windows(f, g):
+                    sys.exit(f"Tail {tail}, context {ctx}: the rows' native NLLs differ per "
+                             "window, so they were not scored on the same windows.")
+                d, (lo, hi) = cbr_difference(f, g)
                 print(f"first - second, tail {tail:>2}, ctx {ctx:>5}: {d * 100:+.1f} points "
                       f"[{lo * 100:+.1f}, {hi * 100:+.1f}]")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if not 2 <= len(sys.argv) <= 3:
+        sys.exit(__doc__)
+    main(sys.argv[1:])

@@ -235,11 +235,12 @@ def _timed_maps(translator, inputs) -> float:
 
 
 def _working_set(translator, inputs) -> int:
-    """Bytes of the switch's intermediates at most: two layers' source features (K
-    and V) and map outputs (the switch reads the next layer's sources while it
-    writes one layer)."""
-    return 2 * max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
-                   for x, km in zip(inputs, translator.k_maps))
+    """Bytes of one layer's working set, the largest layer's: its source features (K
+    and V) and map outputs. The issue's bound allows one; the switch's pipeline
+    (the next layer's sources are read while one layer is written) is designed
+    for two."""
+    return max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
+               for x, km in zip(inputs, translator.k_maps))
 
 
 def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
@@ -341,7 +342,9 @@ def measure_ttft(
         memory = {
             "source_cache_mb": source_mb, "target_cache_mb": target_mb, "maps_mb": maps_mb,
             "layer_working_set_mb": working_mb, "bound_mb": bound,
-            "switch_peak_mb": held, "within_bound": float(held <= bound),
+            "two_layer_bound_mb": bound + working_mb, "switch_peak_mb": held,
+            "within_bound": float(held <= bound),
+            "within_two_layer_bound": float(held <= bound + working_mb),
         }
         profile_s = profile_switch(source, target, translator, ctx, 0, tokenizers) if profile else {}
         for m in tails:
@@ -388,15 +391,19 @@ def format_rows(rows: Sequence[TTFTRow]) -> str:
 def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
     """The results as a small markdown page: machine, table, split, memory, notes."""
     env = result["environment"]
-    mem = ["| pair | context | source cache | target cache | maps | working set | bound | "
-           "switch peak | within |", "|---|---|---|---|---|---|---|---|---|"]
+    mem = ["| pair | context | source cache | target cache | maps | one layer's working set "
+           "| bound | switch peak | over the bound | within two layers' |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    yes = lambda v: "yes" if v else "no"
     for r in rows:
         if r.native_tail == 0:
             m = r.memory
             mem.append(f"| {r.pair} | {r.context} | {m['source_cache_mb']:.1f} | "
                        f"{m['target_cache_mb']:.1f} | {m['maps_mb']:.1f} | "
                        f"{m['layer_working_set_mb']:.1f} | {m['bound_mb']:.1f} | "
-                       f"{m['switch_peak_mb']:.1f} | {'yes' if m['within_bound'] else 'no'} |")
+                       f"{m['switch_peak_mb']:.1f} | "
+                       f"{max(m['switch_peak_mb'] - m['bound_mb'], 0):.1f} | "
+                       f"{yes(m.get('within_two_layer_bound', m['within_bound']))} |")
     return "\n".join([
         "# Time to first token after a switch",
         "",
@@ -567,9 +574,10 @@ NOTE = (
     "times after its one re-prefill). translate_profile: one "
     "profiled switch (an evaluation after each part). Memory (MB, MLX allocator): "
     "switch_peak_mb = source cache + maps + the switch's own allocations at their peak "
-    "(translation and first step); bound_mb = source cache + target cache + maps + two "
-    "layers' working set (source features and map outputs of the layer being written and "
-    "of the next, whose sources are read ahead). Model weights excluded."
+    "(translation and first step); bound_mb = source cache + target cache + maps + one "
+    "layer's working set (the largest layer's source features and map outputs); "
+    "two_layer_bound_mb adds a second (the switch reads the next layer's sources while it "
+    "writes one). Model weights excluded."
 )
 
 
