@@ -287,8 +287,26 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                      for j in layer_map[i]]
         return tuple(_concat([f[t][:, a:b] for f, a, b in parts]) for t in (0, 1))
 
+    ready = {}  # layer -> its map inputs, queued on the copy stream ahead of time
+
+    def read_ahead(n):
+        """Queue layer order[n]'s sources and map inputs on the copy stream *now*: a
+        stream runs its tasks in the order they were queued, so inputs queued with
+        their layer (after the previous layer's rotations, which wait for that
+        layer's matmuls) would make every layer's matmuls wait for the previous
+        layer's copies; queued a layer ahead, they are ready when the matmuls are."""
+        if n >= len(order):
+            return
+        i = order[n]
+        read_sources(i)
+        if layer_map[i] and (early is None or i != early.layer):
+            with _on(copies):
+                ready[i] = inputs(i, *spans[i])
+            if phases is None:
+                mx.async_eval(ready[i])
+
     cache = make_prompt_cache(target)
-    read_sources(order[0])
+    read_ahead(0)
     in_flight = []
     for n, i in enumerate(order):
         c, lg, layers = cache[i], geometry.layers[i], layer_map[i]
@@ -302,8 +320,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         while len(in_flight) >= _LAYERS_IN_FLIGHT:
             mx.eval(in_flight.pop(0))
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
-            if n + 1 < len(order):
-                read_sources(order[n + 1])
+            read_ahead(n + 1)
             keys, values = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
             set_layer(c, keys, values, hi, hi - first)
             _phase(phases, "native_prefix_s", [keys, values])  # target-computed K/V
@@ -311,19 +328,16 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 mx.async_eval(c.keys, c.values)
             continue
         if early is not None and i == early.layer:
-            if n + 1 < len(order):
-                read_sources(order[n + 1])
+            read_ahead(n + 1)
             xk = xv = None
             _check_source_holds(source_cache, int(index.max()))  # the gather cannot check
             with _on(copies):
                 keys, values = early.gather(index)
         else:
-            with _on(copies):  # several source layers per map: concatenated beside the matmuls
-                xk, xv = inputs(i, first, last)
-            # The next layer's sources are queued on the copy stream *after* this
-            # layer's inputs, which the matmuls wait for, so they run beside them.
-            if n + 1 < len(order):
-                read_sources(order[n + 1])
+            # Several source layers per map: concatenated on the copy stream, beside the
+            # previous layer's matmuls (read_ahead).
+            xk, xv = ready.pop(i)
+            read_ahead(n + 1)
             _phase(phases, "read_unrope_s", [xk, xv])
             keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
             if map_first[i]:  # one output row per target row
