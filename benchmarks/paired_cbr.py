@@ -1,6 +1,6 @@
 """CBR with its interval per translator, native tail and context of `mlx-kvlingo eval
---json` reports, and, when they hold two translators, the first minus the second,
-paired (the same windows, resampled together).
+--json` reports, and the first translator minus each other one, paired (the same
+windows, resampled together).
 
     python benchmarks/paired_cbr.py REPORT.json [OTHER.json]
 
@@ -50,8 +50,9 @@ def main(paths: list):
         print(f"{name:60s} tail {tail:>2} ctx {ctx:>5}: CBR {f.cbr:.1%} [{lo:.1%}, {hi:.1%}] "
               f"KL {f.kl:.3f} top1 {f.top1:.1%} n={len(f.windows)}")
     names = list(dict.fromkeys(k[0] for k in rows))
-    if len(names) == 2:
-        a, b = names
+    a = names[0]
+    for b in names[1:]:
+        print(f"{a} minus {b}:")
         for (name, tail, ctx), f in rows.items():
             if name == a and (b, tail, ctx) in rows:
                 g = rows[b, tail, ctx]
@@ -59,7 +60,7 @@ def main(paths: list):
                     sys.exit(f"Tail {tail}, context {ctx}: the rows' native NLLs differ per "
                              "window, so they were not scored on the same windows.")
                 d, (lo, hi) = cbr_difference(f, g)
-                print(f"first - second, tail {tail:>2}, ctx {ctx:>5}: {d * 100:+.1f} points "
+                print(f"  tail {tail:>2}, ctx {ctx:>5}: {d * 100:+.1f} points "
                       f"[{lo * 100:+.1f}, {hi * 100:+.1f}]")
 
 
