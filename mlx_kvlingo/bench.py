@@ -236,9 +236,8 @@ def _timed_maps(translator, inputs) -> float:
 
 def _working_set(translator, inputs) -> int:
     """Bytes of one layer's working set, the largest layer's: its source features (K
-    and V) and map outputs. The issue's bound allows one; the switch's pipeline
-    (the next layer's sources are read while one layer is written) is designed
-    for two."""
+    and V) and map outputs. ``bound_mb`` allows one; the switch's pipeline (the next
+    layer's sources are read while one layer is written) is designed for two."""
     return max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
                for x, km in zip(inputs, translator.k_maps))
 
@@ -403,7 +402,7 @@ def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
                        f"{m['layer_working_set_mb']:.1f} | {m['bound_mb']:.1f} | "
                        f"{m['switch_peak_mb']:.1f} | "
                        f"{max(m['switch_peak_mb'] - m['bound_mb'], 0):.1f} | "
-                       f"{yes(m.get('within_two_layer_bound', m['within_bound']))} |")
+                       f"{yes(m['within_two_layer_bound'])} |")
     return "\n".join([
         "# Time to first token after a switch",
         "",

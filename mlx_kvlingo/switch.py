@@ -314,9 +314,10 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         rows = last - first
         # async_eval returns at once: without a wait the loop would queue every
         # layer's work, and their intermediates would pile up (at 4096 tokens the
-        # switch's peak then exceeded its bound by 18 MB). Waiting for the layer two
-        # back keeps at most two layers and the next one's sources in flight; one
-        # back would starve the second stream (1.5x slower here).
+        # switch's peak then exceeded two layers' working set by 18 MB). Waiting for
+        # the layer two back keeps at most two layers and the next one's sources and
+        # map inputs in flight; one back would starve the second stream (1.5x slower
+        # here, before the inputs were read ahead).
         while len(in_flight) >= _LAYERS_IN_FLIGHT:
             mx.eval(in_flight.pop(0))
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
