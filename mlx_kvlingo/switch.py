@@ -194,17 +194,23 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     """A fresh target cache for positions 0..hi-1: 0..k-1 computed by the target (the
     memoized native prefix), k..hi-1 translated, with ``room`` free positions.
 
-    Per target layer the maps run over every row of the layer's buffer (its prefix
-    and free rows too, a few wasted rows; with different tokenizers, over the
-    source's rows when those are fewer, then gathered), so that the map outputs
-    *are* the buffers: keys get re-rotated by one fused kernel that writes cache layout,
-    values are transposed once, the prefix rows are overwritten in place. No
-    concatenation copies the cache. Sliding-window layers hold (and translate)
-    only the positions they keep. ``early``: one layer's maps already queued over
-    the source's rows (see :func:`_map_early_layer`); its outputs are gathered."""
+    The work is cut into *units*, the keys or the values of one target layer, and at
+    most _UNITS_IN_FLIGHT units are alive at once: the peak holds about one layer's
+    working set (source features and map outputs, K and V) beyond the caches, while
+    the copy stream reads and writes one unit beside the matmuls of the next.
+
+    Per unit the maps run over every row of the layer's buffer (its prefix and free
+    rows too, a few wasted rows; with different tokenizers, over the source's rows
+    when those are fewer, then gathered), so that the map outputs *are* the buffers:
+    keys get re-rotated by one fused kernel that writes cache layout, values are
+    transposed once, the prefix rows are overwritten in place. No concatenation
+    copies the cache. (Units of rows written into one preallocated buffer held more,
+    not less: a slice update queued behind another on the same buffer copies the
+    whole buffer.) Sliding-window layers hold (and translate) only the positions
+    they keep. ``early``: one layer's maps already queued over the source's rows
+    (see :func:`_map_early_layer`); its outputs are gathered."""
     geometry = cache_geometry(target)
     dtype = cache_dtype(target)
-    B = target_tokens.shape[0]
     prefix = _prefix_kv(target, target_tokens, k) if k else None
     _phase(phases, "native_prefix_s", prefix or [])
     # Target positions [first, last) each layer's buffer covers.
@@ -218,10 +224,6 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     # Source layers each target layer reads; none for a layer the target computes.
     layer_map = [[] if i == 0 and _native_layer0(translator) else layers
                  for i, layers in enumerate(translator.spec.layer_map)]
-    source_first = {}
-    for (first, _), layers in zip(spans, layer_map):
-        for j in layers:
-            source_first[j] = min(source_first.get(j, first), first)
     top = max(last for _, last in spans)
     # Source positions per target position (-1: prefix and free rows, any row will do).
     index = np.full(top, -1, dtype=np.int64)
@@ -252,130 +254,115 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     order = sorted(range(len(spans)), key=lambda i: spans[i][0] - spans[i][1])
     if early is not None and spans[early.layer] != (0, top):
         early = None  # not a layer over every row (a caller's other geometry): unused
-    last_use = {}
-    for n, i in enumerate(order):
-        for j in layer_map[i] if early is None or i != early.layer else ():
-            last_use[j, map_first[i]] = n
-    # (source layer, map first) -> content keys and values of that source layer: per
-    # target row from source_first (gathered), or its source rows lo..top (ranges).
-    features = {}
+    units = [(i, kind) for i in order for kind in "kv"]
     copies = _copy_stream() if phases is None else None
 
-    def read_sources(i):
-        if early is not None and i == early.layer:
-            return  # mapped already
-        for j in layer_map[i]:
-            key = (j, map_first[i])
-            if key not in features:
-                p = plan(source_first[j], top)
-                if map_first[i]:
-                    features[key] = _source_range(source, source_cache, j, p.lo, p.top, copies)
-                else:
-                    features[key] = _source_rows(source, source_cache, j, p, copies)
-                if phases is None:
-                    mx.async_eval(features[key])
-
-    def inputs(i, first, last):
-        """Layer i's map inputs (keys, values); with map_first, their source rows."""
+    def inputs(i, kind):
+        """Layer i's map inputs of one kind (with map_first, over their source rows),
+        read for this unit alone: a source layer that feeds several target layers
+        is read by each (holding it for the next reader held another layer's
+        features beside the two units in flight)."""
+        p = plan(*spans[i])
         if map_first[i]:
-            p = plan(first, last)
-            cuts = {j: plan(source_first[j], top).lo for j in layer_map[i]}
-            parts = [(features[j, True], p.lo - cuts[j], p.top + 1 - cuts[j])
+            parts = [_source_range(source, source_cache, j, p.lo, p.top, kind, copies)
                      for j in layer_map[i]]
         else:
-            parts = [(features[j, False], first - source_first[j], last - source_first[j])
+            parts = [_source_rows(source, source_cache, j, p, kind, copies)
                      for j in layer_map[i]]
-        return tuple(_concat([f[t][:, a:b] for f, a, b in parts]) for t in (0, 1))
+        with _on(copies):
+            return _concat(parts)
 
-    ready = {}  # layer -> its map inputs, queued on the copy stream ahead of time
+    ready = {}  # unit -> its map inputs, queued on the copy stream ahead of time
 
-    def read_ahead(n):
-        """Queue layer order[n]'s sources and map inputs on the copy stream *now*: a
-        stream runs its tasks in the order they were queued, so inputs queued with
-        their layer (after the previous layer's rotations, which wait for that
-        layer's matmuls) would make every layer's matmuls wait for the previous
-        layer's copies; queued a layer ahead, they are ready when the matmuls are."""
-        if n >= len(order):
+    def read_ahead(u):
+        """Queue unit u's map inputs on the copy stream *now*: a stream
+        runs its tasks in the order they were queued, so inputs queued with their
+        unit (after the previous unit's rotations, which wait for that unit's
+        matmuls) would make every unit's matmuls wait for the previous unit's
+        copies; queued a unit ahead, they are ready when the matmuls are."""
+        if u >= len(units):
             return
-        i = order[n]
-        read_sources(i)
+        i, kind = units[u]
         if layer_map[i] and (early is None or i != early.layer):
-            with _on(copies):
-                ready[i] = inputs(i, *spans[i])
+            ready[u] = inputs(i, kind)
             if phases is None:
-                mx.async_eval(ready[i])
+                mx.async_eval(ready[u])
 
     cache = make_prompt_cache(target)
+    keys_of = {}  # layer -> its keys buffer, until its values are written
     read_ahead(0)
     in_flight = []
-    for n, i in enumerate(order):
-        c, lg, layers = cache[i], geometry.layers[i], layer_map[i]
+    for u, (i, kind) in enumerate(units):
+        lg, layers = geometry.layers[i], layer_map[i]
         first, last = spans[i]
         rows = last - first
         # async_eval returns at once: without a wait the loop would queue every
-        # layer's work, and their intermediates would pile up (at 4096 tokens the
-        # switch's peak then exceeded two layers' working set by 18 MB). Waiting for
-        # the layer two back keeps at most two layers and the next one's sources and
-        # map inputs in flight; one back would starve the second stream (1.5x slower
-        # here, before the inputs were read ahead).
-        while len(in_flight) >= _LAYERS_IN_FLIGHT:
+        # unit's work, and their intermediates would pile up. Waiting for the unit
+        # two back keeps two units (one layer's K and V working set) and the next
+        # one's inputs in flight; one back would starve the second stream.
+        while len(in_flight) >= _UNITS_IN_FLIGHT:
             mx.eval(in_flight.pop(0))
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
-            read_ahead(n + 1)
-            keys, values = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
-            set_layer(c, keys, values, hi, hi - first)
-            _phase(phases, "native_prefix_s", [keys, values])  # target-computed K/V
-            if phases is None:
-                mx.async_eval(c.keys, c.values)
-            continue
-        if early is not None and i == early.layer:
-            read_ahead(n + 1)
-            xk = xv = None
-            _check_source_holds(source_cache, int(index.max()))  # the gather cannot check
-            with _on(copies):
-                keys, values = early.gather(index)
+            read_ahead(u + 1)
+            if kind == "k":  # both at once; the values wait for their unit
+                keys_of[i], values0 = _layer0_rows(target, target_tokens, first, hi, rows, dtype)
+            out = keys_of[i] if kind == "k" else values0
+            _phase(phases, "native_prefix_s", [out])  # target-computed K/V
         else:
-            # Several source layers per map: concatenated on the copy stream, beside the
-            # previous layer's matmuls (read_ahead).
-            xk, xv = ready.pop(i)
-            read_ahead(n + 1)
-            _phase(phases, "read_unrope_s", [xk, xv])
-            keys, values = translator.k_maps[i](xk), translator.v_maps[i](xv)
-            if map_first[i]:  # one output row per target row
+            if early is not None and i == early.layer:
+                read_ahead(u + 1)
+                _check_source_holds(source_cache, int(index.max()))  # the gather cannot
                 with _on(copies):
-                    rows_of = plan(first, last).rows
-                    keys, values = keys[:, rows_of], values[:, rows_of]
-        _phase(phases, "maps_s", [keys, values])
-        with _on(copies):
-            keys = keys.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
-            keys = keys.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
-            rope = target.layers[i].self_attn.rope
-            planes = rope_planes(target, i, first, rows, lg.head_dim)
-            if planes is None:
-                keys = rerope(rope, keys, first).astype(dtype)
+                    out = early.gather(index, kind)
             else:
-                keys = rotate_planes(keys, planes, getattr(rope, "traditional", False), dtype)
-            values = values.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
-            values = mx.contiguous(values.transpose(0, 2, 1, 3).astype(dtype))
-            if first < k:  # the native prefix, written over its rows in place
-                keys[..., : k - first, :] = prefix[i][0][..., first:, :]
-                values[..., : k - first, :] = prefix[i][1][..., first:, :]
-        set_layer(c, keys, values, hi, hi - first)
-        _phase(phases, "rerope_write_s", [keys, values])
-        for j in layers:  # free source features after their last reader
-            if last_use.get((j, map_first[i])) == n:
-                del features[j, map_first[i]]
-        del xk, xv, keys, values
+                # Several source layers per map: concatenated on the copy stream,
+                # beside the previous unit's matmuls (read_ahead).
+                x = ready.pop(u)
+                read_ahead(u + 1)
+                _phase(phases, "read_unrope_s", [x])
+                out = (translator.k_maps if kind == "k" else translator.v_maps)[i](x)
+                del x
+                if map_first[i]:  # one output row per target row
+                    with _on(copies):
+                        out = out[:, plan(first, last).rows]
+            _phase(phases, "maps_s", [out])
+            out = _cache_layout(target, i, lg, kind, out, first, dtype, prefix, k, copies)
+            if kind == "k":
+                keys_of[i] = out
+        if kind == "v":
+            set_layer(cache[i], keys_of.pop(i), out, hi, hi - first)
+        _phase(phases, "rerope_write_s", [out])
         if phases is None:
-            # Layer by layer: about two layers' intermediates are alive (this one
-            # and the next one's sources), and the next graph is built while this
-            # one computes.
-            mx.async_eval(c.keys, c.values)
-            in_flight.append([c.keys, c.values])
+            mx.async_eval(out)
+            in_flight.append(out)
+        del out
     return cache
 
 
-_LAYERS_IN_FLIGHT = 2
+def _cache_layout(target, i: int, lg, kind: str, x, first: int, dtype, prefix, k: int,
+                  stream):
+    """Map outputs [B, rows, heads*head_dim] of layer i's positions first.. ->
+    [B, heads, rows, head_dim] in cache layout (keys rotated to their positions),
+    with the native prefix (positions < k) written over its rows in place."""
+    B, rows = x.shape[:2]
+    with _on(stream):
+        x = x.reshape(B, rows, lg.n_kv_heads, lg.head_dim)
+        x = x.transpose(0, 2, 1, 3)  # a view: the rotation writes cache layout
+        if kind == "k":
+            rope = target.layers[i].self_attn.rope
+            planes = rope_planes(target, i, first, rows, lg.head_dim)
+            if planes is None:
+                x = rerope(rope, x, first).astype(dtype)
+            else:
+                x = rotate_planes(x, planes, getattr(rope, "traditional", False), dtype)
+        else:
+            x = mx.contiguous(x.astype(dtype))
+        if first < k:  # the native prefix
+            x[..., : k - first, :] = prefix[i][0 if kind == "k" else 1][..., first:, :]
+    return x
+
+
+_UNITS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -388,10 +375,17 @@ class _EarlyLayer:
     values: mx.array
     lo: int
 
-    def gather(self, index: np.ndarray):
-        """One output row per target row of ``index`` (source positions; -1: any)."""
+    def gather(self, index: np.ndarray, kind: str):
+        """One output row per target row of ``index`` (source positions; -1: any) of
+        the keys or values (``kind``); they are dropped once gathered (callers up
+        the stack still hold this object)."""
         rows = mx.array((np.maximum(index, self.lo) - self.lo).astype(np.int32))
-        return self.keys[:, rows], self.values[:, rows]
+        out = getattr(self, _KINDS[kind])[:, rows]
+        setattr(self, _KINDS[kind], None)
+        return out
+
+
+_KINDS = {"k": "keys", "v": "values"}
 
 
 def _map_early_layer(source, target, translator, source_cache) -> Optional[_EarlyLayer]:
@@ -410,7 +404,8 @@ def _map_early_layer(source, target, translator, source_cache) -> Optional[_Earl
         return None
     i, lo = layers[0], 0
     try:  # all on the matmuls' stream: the other core is Python's while it aligns
-        parts = [_source_range(source, source_cache, j, lo, n - 1)
+        parts = [(_source_range(source, source_cache, j, lo, n - 1, "k"),
+                  _source_range(source, source_cache, j, lo, n - 1, "v"))
                  for j in translator.spec.layer_map[i]]
     except KvlingoError:  # e.g. a sliding-window source layer: the usual path says why
         return None
@@ -472,11 +467,11 @@ class _RowPlan:
         return self._rows
 
 
-def _source_rows(source, source_cache, layer: int, plan: _RowPlan, stream=None):
-    """Content-space keys and values [B, plan.count, heads*head_dim] of source
-    ``layer``, row r holding the source position the plan gives it (rows no map
-    output is read from hold any position). The work runs on ``stream`` (default:
-    the current stream).
+def _source_rows(source, source_cache, layer: int, plan: _RowPlan, kind: str, stream=None):
+    """Content-space keys (``kind`` "k") or values ("v"), [B, plan.count,
+    heads*head_dim], of source ``layer``, row r holding the source position the plan
+    gives it (rows no map output is read from hold any position). The work runs on
+    ``stream`` (default: the current stream).
 
     A shared tokenizer reads a contiguous range of the cache's own buffer (spare
     rows past its length included), un-rotated and flattened by one fused kernel.
@@ -487,20 +482,21 @@ def _source_rows(source, source_cache, layer: int, plan: _RowPlan, stream=None):
     if plan.shared and type(c) is KVCache and c.keys is not None \
             and c.keys.shape[2] >= first + n:
         with _on(stream):
-            keys = _content_keys(source, layer, c.keys[..., first : first + n, :], first)
+            if kind == "k":
+                return _content_keys(source, layer, c.keys[..., first : first + n, :], first)
             B, H, _, D = c.values.shape
-            values = c.values[..., first : first + n, :].transpose(0, 2, 1, 3)
-            return keys, values.reshape(B, n, H * D)
-    keys, values = _source_range(source, source_cache, layer, plan.lo, plan.top, stream)
+            return c.values[..., first : first + n, :].transpose(0, 2, 1, 3).reshape(B, n, H * D)
+    x = _source_range(source, source_cache, layer, plan.lo, plan.top, kind, stream)
     with _on(stream):
         # Gather whole rows of the flat [B, T, H*D] layout (mx.take along the
         # positions of the cache layout, to save a pass, was 2-5x slower here).
-        return keys[:, plan.rows], values[:, plan.rows]
+        return x[:, plan.rows]
 
 
-def _source_range(source, source_cache, layer: int, lo: int, top: int, stream=None):
-    """Content-space keys and values [B, top - lo + 1, heads*head_dim] of source
-    ``layer`` at positions lo..top, computed on ``stream``."""
+def _source_range(source, source_cache, layer: int, lo: int, top: int, kind: str,
+                  stream=None):
+    """Content-space keys or values (``kind``) [B, top - lo + 1, heads*head_dim] of
+    source ``layer`` at positions lo..top, computed on ``stream``."""
     _check_source_holds(source_cache, top)
     keys, values, s = read_layer(source_cache[layer])
     if keys is None or s > lo:
@@ -511,11 +507,12 @@ def _source_range(source, source_cache, layer: int, lo: int, top: int, stream=No
             "tokens. Prefill the source in one pass (mlx_kvlingo.models.prefill) to get "
             "complete features."
         )
-    keys, values = keys[..., lo - s : top + 1 - s, :], values[..., lo - s : top + 1 - s, :]
-    B, H, n, D = keys.shape
+    x = (keys if kind == "k" else values)[..., lo - s : top + 1 - s, :]
+    B, H, n, D = x.shape
     with _on(stream):
-        return (_content_keys(source, layer, keys, lo),
-                values.transpose(0, 2, 1, 3).reshape(B, n, H * D))
+        if kind == "k":
+            return _content_keys(source, layer, x, lo)
+        return x.transpose(0, 2, 1, 3).reshape(B, n, H * D)
 
 
 def _content_keys(source, layer: int, keys, start: int):
