@@ -375,13 +375,16 @@ def _planes_from_tables(tables: mx.array, rope: nn.Module, inverse: bool):
 
 
 def _rotate(x, C, S, traditional: bool, dtype):
+    # Pairs as their own axis, halves swapped by a reversed view: the compiled kernel
+    # reads the swap in place (reshaping the reversed view back to [..., D] made a
+    # copy first: 2.4x slower at 4096 tokens x 192 wide here, non-traditional).
     shape = x.shape
     h = shape[-1] // 2
-    if traditional:
-        swapped = x.reshape(*shape[:-1], h, 2)[..., ::-1]
-    else:
-        swapped = x.reshape(*shape[:-1], 2, h)[..., ::-1, :]
-    return (x * C + swapped.reshape(shape) * S).astype(dtype)
+    split = (h, 2) if traditional else (2, h)
+    x = x.reshape(*shape[:-1], *split)
+    swapped = x[..., ::-1] if traditional else x[..., ::-1, :]
+    C, S = C.reshape(*C.shape[:-1], *split), S.reshape(*S.shape[:-1], *split)
+    return (x * C + swapped * S).astype(dtype).reshape(shape)
 
 
 _ROTATE_KERNELS = {}  # (shapes, traditional, dtype) -> compiled _rotate; bounded below
