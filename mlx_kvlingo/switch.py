@@ -196,9 +196,9 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
 
     The work is cut into *units*, the keys or the values of one target layer, and at
     most _UNITS_IN_FLIGHT units (and the next one's inputs) are alive at once: the
-    peak holds less than one layer's working set (source features and map outputs,
-    K and V) beyond the caches, while the copy stream reads the next unit's inputs
-    beside the matmuls of this one.
+    peak holds about one layer's working set (source features and map outputs, K
+    and V) beyond the caches, while the copy stream reads and writes one unit beside
+    the matmuls of the next.
 
     Per unit the maps run over every row of the layer's buffer (its prefix and free
     rows too, a few wasted rows; with different tokenizers, over the source's rows
@@ -298,11 +298,12 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         first, last = spans[i]
         rows = last - first
         # async_eval returns at once: without a wait the loop would queue every
-        # unit's work, and their intermediates would pile up. Waiting for the
-        # previous unit keeps one unit and the next one's inputs (read ahead) in
-        # flight: as fast as two here (whole layers, one in flight, were 27%
-        # slower, before the units and the faster rotation kernel) and about half
-        # the peak (Gemma 3 -> SmolLM2 at 4096 tokens: 6.6 MB vs 15.4).
+        # unit's work, and their intermediates would pile up. Waiting for the unit
+        # two back keeps two units and the next one's inputs (read ahead) in
+        # flight, at most about one layer's working set. One unit in flight halves
+        # the peak but leaves Python building each unit's graph while nothing runs
+        # (idle, SmolLM2 -> SmolLM2: 23.9 vs 13.3 ms at 256 tokens, 78 vs 54 ms at
+        # 1024); three or more are no faster than two.
         while len(in_flight) >= _UNITS_IN_FLIGHT:
             mx.eval(in_flight.pop(0))
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
@@ -365,7 +366,7 @@ def _cache_layout(target, i: int, lg, kind: str, x, first: int, dtype, prefix, k
     return x
 
 
-_UNITS_IN_FLIGHT = 1
+_UNITS_IN_FLIGHT = 2
 
 
 @dataclass
