@@ -47,7 +47,7 @@ class TTFTRow:
     ratio: float  # achieved: prefill_s / switch_s
     translate_s: float
     decode_s: float  # the switch's first step (native tail + last token)
-    translate_peak_mb: float  # MLX allocator peak during switch + first step
+    translate_peak_mb: float  # MLX allocator peak during the translation
     translate_extra_mb: float  # ... above what was allocated before it
     repeats: int
     decode_step_s: float = 0.0  # ceiling part: bare step on the target's own T-1 cache
@@ -167,16 +167,23 @@ def _switch(source, target, translator, ctx: _Context, m: int, tokenizers):
 
 
 def _timed_switch(source, target, translator, ctx, m, tokenizers):
-    """(translate_s, first_step_s, extra bytes at the peak, target cache bytes)."""
+    """(translate_s, first_step_s, bytes above what was allocated before at the
+    translation's peak, the same for the first step's peak (its activations: the
+    cache is allocated by then), target cache bytes, rows of each layer's buffer)."""
     from .switch import first_step
 
     active = mx.get_active_memory()
     mx.reset_peak_memory()
     result = _switch(source, target, translator, ctx, m, tokenizers)
+    _evaluated(result.cache)
+    translate_peak = mx.get_peak_memory() - active
+    before_step = mx.get_active_memory()
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
     first_step(target, result)
     step = time.perf_counter() - t0
-    return result.translate_s, step, mx.get_peak_memory() - active, _nbytes(result.cache)
+    return (result.translate_s, step, translate_peak, mx.get_peak_memory() - before_step,
+            _nbytes(result.cache), [c.keys.shape[2] for c in result.cache])
 
 
 def _timed_prefill(target, tokens: mx.array):
@@ -234,11 +241,13 @@ def _timed_maps(translator, inputs) -> float:
     return time.perf_counter() - t0
 
 
-def _working_set(translator, inputs) -> int:
+def _working_set(translator, buffer_rows: Sequence[int]) -> int:
     """Bytes of one layer's working set, the largest layer's: its source features (K
-    and V) and map outputs, what ``bound_mb`` allows beyond the caches and maps."""
-    return max(x.shape[1] * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
-               for x, km in zip(inputs, translator.k_maps))
+    and V) and map outputs over the rows of its cache buffer (the positions it holds
+    and the room preallocated for the next tokens, as the target cache's bytes
+    count them), what ``bound_mb`` allows beyond the caches and maps."""
+    return max(rows * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
+               for rows, km in zip(buffer_rows, translator.k_maps))
 
 
 def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
@@ -306,7 +315,7 @@ def measure_ttft(
         inputs = _map_inputs(target, translator, T)
         pre, steps, maps = [], [], []
         sw = {m: ([], []) for m in tails}
-        extra, cache_bytes = [], 0
+        extra, step_extra, cache_bytes, buffer_rows = [], [], 0, []
         for i in range(warmup + repeats):
             p, d, saved = _timed_prefill(target, ctx.tokens)
             for j in range(rounds):
@@ -314,13 +323,14 @@ def measure_ttft(
                     d = _timed_bare_step(target, saved, ctx.tokens[-1:])
                 ms = _timed_maps(translator, inputs)
                 for m in tails:
-                    tr, fs, ex, cache_bytes_m = _timed_switch(source, target, translator, ctx,
-                                                              m, tokenizers)
+                    tr, fs, ex, step_ex, cache_bytes_m, buffer_rows = _timed_switch(
+                        source, target, translator, ctx, m, tokenizers)
                     if i >= warmup:
                         sw[m][0].append(tr)
                         sw[m][1].append(fs)
                         if m == 0:
                             extra.append(ex)
+                            step_extra.append(step_ex)
                             cache_bytes = cache_bytes_m
                 if i >= warmup:
                     steps.append(d)
@@ -333,7 +343,7 @@ def measure_ttft(
         source_mb = _nbytes(ctx.source_cache) / 2**20
         maps_mb = sum(w.nbytes for km, vm in zip(translator.k_maps, translator.v_maps)
                       for w in (km.weight, vm.weight)) / 2**20
-        working_mb = _working_set(translator, inputs) / 2**20
+        working_mb = _working_set(translator, buffer_rows) / 2**20
         target_mb = cache_bytes / 2**20
         bound = source_mb + target_mb + maps_mb + working_mb
         held = source_mb + maps_mb + max(extra) / 2**20
@@ -341,6 +351,9 @@ def measure_ttft(
             "source_cache_mb": source_mb, "target_cache_mb": target_mb, "maps_mb": maps_mb,
             "layer_working_set_mb": working_mb, "bound_mb": bound,
             "switch_peak_mb": held, "within_bound": float(held <= bound),
+            # The first step's own activations on top of the caches (Gemma 3's
+            # 262k-entry logits alone are 1 MB), as any decoding step holds them.
+            "first_step_activations_mb": max(step_extra) / 2**20,
         }
         profile_s = profile_switch(source, target, translator, ctx, 0, tokenizers) if profile else {}
         for m in tails:
@@ -388,8 +401,8 @@ def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
     """The results as a small markdown page: machine, table, split, memory, notes."""
     env = result["environment"]
     mem = ["| pair | context | source cache | target cache | maps | one layer's working set "
-           "| bound | switch peak | under the bound by |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| bound | switch peak | under the bound by | first step's activations |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.native_tail == 0:
             m = r.memory
@@ -397,7 +410,8 @@ def format_report(result: dict, rows: Sequence[TTFTRow]) -> str:
                        f"{m['target_cache_mb']:.1f} | {m['maps_mb']:.1f} | "
                        f"{m['layer_working_set_mb']:.1f} | {m['bound_mb']:.1f} | "
                        f"{m['switch_peak_mb']:.1f} | "
-                       f"{m['bound_mb'] - m['switch_peak_mb']:.1f} |")
+                       f"{m['bound_mb'] - m['switch_peak_mb']:.2f} | "
+                       f"{m['first_step_activations_mb']:.1f} |")
     return "\n".join([
         "# Time to first token after a switch",
         "",
@@ -568,9 +582,11 @@ NOTE = (
     "times after its one re-prefill). translate_profile: one "
     "profiled switch (an evaluation after each part). Memory (MB, MLX allocator): "
     "switch_peak_mb = source cache + maps + the switch's own allocations at their peak "
-    "(translation and first step); bound_mb = source cache + target cache + maps + one "
-    "layer's working set (the largest layer's source features and map outputs, K and V). "
-    "Model weights excluded."
+    "while it translates (the target cache included); bound_mb = source cache + target "
+    "cache + maps + one layer's working set (the largest layer's source features and map "
+    "outputs, K and V, over the rows of its cache buffer); first_step_activations_mb: the "
+    "first decoding step's own peak on top of them (its activations: logits, attention). "
+    "Maxima over the timed switches. Model weights excluded."
 )
 
 

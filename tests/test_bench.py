@@ -46,6 +46,7 @@ def test_measure_ttft_times_switch_prefill_and_ceiling(toy_pair, tmp_path):
         assert abs(mem["bound_mb"] - (mem["source_cache_mb"] + mem["target_cache_mb"]
                                       + mem["maps_mb"] + mem["layer_working_set_mb"])) < 1e-6
         assert mem["within_bound"] == float(mem["switch_peak_mb"] <= mem["bound_mb"])
+        assert mem["first_step_activations_mb"] > 0
         assert r.translate_peak_mb > 0  # MLX's allocator reports peaks on the CPU too
         if r.native_tail == 0:
             assert set(r.translate_profile) == PARTS
