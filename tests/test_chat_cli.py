@@ -48,6 +48,11 @@ class Terminal:
     def __init__(self, args, env):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the pty is its controlling terminal
+            # Started as a shell starts it: nothing blocked, SIGINT at its default (a
+            # fork of pytest inherits pytest's mask and handlers, and an exec'd Python
+            # installs its Ctrl-C handler only over the default).
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(sys.executable, [sys.executable, "-c", CLI, *args], env)
         _STARTED.append(self)
         self.output = ""
