@@ -4,9 +4,10 @@ A switch replaces the target's prefill of the context with (1) a map over the
 source's cache and (2) one decoding step of the target on the context's last
 token (:func:`first_step`; with a native tail, on its last m + 1 tokens).
 
-For a fresh cache (the switch's case) the translation is written layer by layer
-straight into the cache's buffers, with the rotations and layout copies on a
-second CPU stream beside the map matmuls (:func:`_translate_fresh`); extending
+For a fresh cache (the switch's case) the translation is written a layer's keys
+or values at a time straight into the cache's buffers, with the rotations and
+layout copies on a second CPU stream beside the map matmuls
+(:func:`_translate_fresh`); extending
 a live cache (a conversation's spans) takes the general path through
 ``models.build_cache``.
 """

@@ -151,28 +151,14 @@ def test_chat_with_a_switch_through_a_terminal(kv_cache_dir, tmp_path):
                 f.write(t.output)
 
 
-def _stop_answer(t):
-    """Ctrl-C during an answer, until it stops. In full-suite runs with two more jobs
-    on this 2-core machine (three of three, sixth session) the first Ctrl-C was
-    sometimes not acted on within 120 s, never in isolation under the same load; a
-    second press is allowed after 30 s (not understood yet: see the closing notes).
-    An answer that no press stops still fails."""
-    for attempt in range(2):
-        t.type("\x03")  # Ctrl-C
-        try:
-            return t.expect(r"\[stopped\]", timeout=30 if attempt == 0 else 120)
-        except AssertionError:
-            if attempt:
-                raise
-
-
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(kv_cache_dir):
     t = Terminal(["chat", "--max-tokens", "100000"], _env(kv_cache_dir))
     t.expect(r"\[small\] you> ")
     t.type("Return the sum of the items of a list.\n")
     t.expect(r"small> [\s\S]{40}")
     time.sleep(0.5)
-    _stop_answer(t)
+    t.type("\x03")  # Ctrl-C
+    t.expect(r"\[stopped\]")
     m = t.expect(REPORT)
     assert 0 < int(m.group(4)) < 100000
     t.expect(r"\[small\] you> ")
@@ -181,7 +167,8 @@ def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(kv_cache_dir):
     t.type("Go on.\n")
     t.expect(r"large> [\s\S]{40}")
     time.sleep(0.5)  # let the answer's stream be running when the signal lands
-    _stop_answer(t)
+    t.type("\x03")
+    t.expect(r"\[stopped\]")
     m = t.expect(REPORT)  # large has read what small wrote before its stop
     assert m.group(1) == "large" and int(m.group(2)) > 0
     t.expect(r"\[large\] you> ")

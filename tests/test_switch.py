@@ -302,8 +302,8 @@ def test_switch_runs_on_worker_threads():
 def test_a_switch_holds_at_most_one_layer_of_intermediates():
     """Peak memory of a switch: the target cache it builds plus one layer's source
     features and map outputs (issue 11's bound), however many layers the model has:
-    the loop must not queue every layer's work at once, and what it keeps in flight
-    is one layer's keys or values and the next one's inputs, not whole layers."""
+    the loop must not queue every layer's work at once, and the two units it keeps
+    in flight are a layer's keys or values, not whole layers."""
     from mlx_kvlingo.switch import switch
 
     from tiny import tiny_model
