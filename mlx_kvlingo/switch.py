@@ -305,7 +305,13 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         # the peak but leaves Python building each unit's graph while nothing runs
         # (idle, SmolLM2 -> SmolLM2: 23.9 vs 13.3 ms at 256 tokens, 78 vs 54 ms at
         # 1024); three or more are no faster than two.
-        while len(in_flight) >= _UNITS_IN_FLIGHT:
+        #
+        # The last _DRAINED_TAIL units run one at a time: by then the cache is all but
+        # complete, so two units' intermediates on top of it were the switch's peak
+        # (Gemma 3 -> SmolLM2 at 4096 tokens: 1.42 MB over one layer's working set;
+        # drained, 0.85 MB under), and there is nothing left to overlap anyway.
+        limit = 1 if u >= len(units) - _DRAINED_TAIL else _UNITS_IN_FLIGHT
+        while len(in_flight) >= limit:
             mx.eval(in_flight.pop(0))
         if not layers:  # layer 0 computed by the target itself: exact, prefix included
             read_ahead(u + 1)
@@ -368,6 +374,7 @@ def _cache_layout(target, i: int, lg, kind: str, x, first: int, dtype, prefix, k
 
 
 _UNITS_IN_FLIGHT = 2
+_DRAINED_TAIL = 2  # last units run alone (see _translate_fresh); 1 left SmolLM2 -> Gemma 3 at 256 tokens over in 2 of 8
 
 
 @dataclass
