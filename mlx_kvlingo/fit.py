@@ -328,3 +328,72 @@ def fit_selected(
     t.spec.training["fit"] = report.to_dict()
     t.spec.training["candidates"] = list(candidates)
     return t, report, {n: f[0] for n, f in fitted.items()}
+
+
+# ---------------------------------------------------------------------------
+# Value maps fitted against attention (issue 9, lever 4)
+
+
+class AttentionValueAccumulator:
+    """Moments for value maps fitted to what attention does with the values.
+
+    A value map matters only through the attention outputs it feeds: with A the
+    target's own attention (averaged over query heads) from every query of a window
+    to its translated positions, the map minimises |A (X Wᵀ - V)|² instead of
+    |X Wᵀ - V|², so W = (XᵀAᵀAX + λI)⁻¹ XᵀAᵀAV, still closed form (the KV-compaction
+    "Attention Matching" work solves values this way). The pooled rows AX and AV are
+    one per query; their moments are summed like any least-squares problem's. One
+    Gram per target layer (A differs per layer), so mind the width of the inputs.
+    """
+
+    def __init__(self, layer_map: List[List[int]], widths: Tuple[List[int], List[int]]):
+        source_widths, target_widths = widths
+        self.layer_map = [list(m) for m in layer_map]
+        self.moments = []
+        self.xtx = []
+        for i, layers in enumerate(self.layer_map):
+            d_in = sum(source_widths[j] for j in layers)
+            self.moments.append(Moments.zeros(d_in, target_widths[i]))
+            self.xtx.append(np.zeros((d_in, d_in)))
+        self.count = 0
+
+    @classmethod
+    def for_translator(cls, translator: Translator) -> "AttentionValueAccumulator":
+        geo_s = translator.spec.source.cache_geometry.layers
+        geo_t = translator.spec.target.cache_geometry.layers
+        return cls(translator.spec.layer_map, ([g.width for g in geo_s], [g.width for g in geo_t]))
+
+    def add(self, src_v, tgt_v, weights):
+        """Source value features (per source layer, [B, n, width]; None for layers no
+        map reads), target values (per target layer, [B, n, width]) of the same n
+        translated positions, and per target layer the attention [B, queries, n]
+        from the window's queries to those positions."""
+
+        def f64(a):
+            return np.asarray(a, dtype=np.float64)
+
+        for i, layers in enumerate(self.layer_map):
+            x = mx.concatenate([src_v[j].astype(mx.float32) for j in layers], axis=-1)
+            a = weights[i].astype(mx.float32)
+            p = (a @ x).reshape(-1, x.shape[-1])  # attention-pooled features, one row per query
+            r = (a @ tgt_v[i].astype(mx.float32)).reshape(-1, tgt_v[i].shape[-1])
+            m = self.moments[i]
+            self.xtx[i] += f64(p.T @ p)
+            m.ytx += f64(r.T @ p)
+            m.y_sum += f64(r.sum(0))
+            m.y_sq += f64((r * r).sum(0))
+            m.count += r.shape[0]
+        self.count += int(weights[0].shape[0] * weights[0].shape[1])
+
+    def solve(self, ridge: float = 1e-3) -> List[Tuple[np.ndarray, float]]:
+        """Per target layer (W, R² of the attention outputs)."""
+        return [ridge_solve(xtx, m, ridge) for xtx, m in zip(self.xtx, self.moments)]
+
+    def solve_into(self, translator: Translator, ridge: float = 1e-3) -> List[float]:
+        """Replace ``translator``'s value maps; return their R² per layer."""
+        r2 = []
+        for vm, (w, r) in zip(translator.v_maps, self.solve(ridge)):
+            vm.weight = mx.array(w.astype(np.float32))
+            r2.append(r)
+        mx.eval(translator.parameters())
+        return r2

@@ -9,6 +9,7 @@ source cache and re-rotates mapped keys with the target layer's own rope module.
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -613,6 +614,57 @@ def last_logits(model: nn.Module, inputs: mx.array, cache, keep: int) -> mx.arra
 def token_features(model: nn.Module, tokens: mx.array, layers=None):
     """Content-space K/V features of ``tokens`` from a fresh one-pass prefill."""
     return cache_features(model, prefill(model, tokens), layers)
+
+
+def attention_weights(model: nn.Module, tokens: mx.array,
+                      per_head: bool = False) -> Tuple[List, List[mx.array]]:
+    """One pass of ``tokens`` ([B, T]) through the model: (its cache, and per layer
+    the attention probabilities averaged over query heads, [B, T, T]; row q holds
+    position q's weights over positions 0..q). ``per_head``: [B, heads, T, T].
+
+    The weights are read off the model's own call to mlx-lm's
+    ``scaled_dot_product_attention`` (queries after their norm and rope, keys as
+    cached, the layer's scale and mask, sliding windows included), so they are the
+    model's for any architecture that calls it. For fitting value maps against what
+    attention does with them (fit.AttentionValueAccumulator)."""
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    module = sys.modules[type(model.layers[0].self_attn).__module__]
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        raise UnsupportedModel(
+            f"{module.__name__} does not call scaled_dot_product_attention; its "
+            "attention weights cannot be read.")
+    weights = []
+
+    def recording(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        if sinks is not None:
+            raise UnsupportedModel("Attention sinks are not supported here.")
+        weights.append(_attention(queries, keys, scale, mask, per_head))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    module.scaled_dot_product_attention = recording
+    try:
+        cache = prefill(model, tokens)
+    finally:
+        module.scaled_dot_product_attention = original
+    return cache, weights
+
+
+def _attention(queries, keys, scale: float, mask, per_head: bool) -> mx.array:
+    """softmax(q kᵀ · scale + mask): [B, H, L, S], or its mean over heads [B, L, S]."""
+    B, H, L, D = queries.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    q = (queries.astype(mx.float32) * scale).reshape(B, Hk, H // Hk, L, D)
+    scores = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # [B, Hk, rep, L, S]
+    if isinstance(mask, str):  # "causal": query i is position S - L + i
+        allowed = mx.arange(S)[None] <= (mx.arange(L) + S - L)[:, None]
+        scores = mx.where(allowed, scores, -mx.inf)
+    elif mask is not None:
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask.astype(mx.float32))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return probs.reshape(B, H, L, S) if per_head else probs.mean(axis=(1, 2))
 
 
 def build_cache(

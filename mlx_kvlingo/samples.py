@@ -23,7 +23,7 @@ from . import distributed
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from .distill import Batch, make_batch, make_batch_from_features, native_prefix_kv
 from .errors import KvlingoError
-from .models import token_features
+from .models import attention_weights, cache_features, token_features
 
 
 def _step_rng(seed: int, step: int) -> random.Random:
@@ -147,10 +147,13 @@ class AlignedText:
                 for _ in range(count)]
 
     def fit_features(self, source, target, translator, count: int, context_len: int, seed=0,
-                     layers=None, group=None):
+                     layers=None, group=None, attention: bool = False):
         """(source, target) feature pairs for the stage-1 fit: the target's translated
         positions and the source features aligned to them (of the translator's source
-        layers, or of ``layers``). With ``group``, this rank's share of the samples."""
+        layers, or of ``layers``). With ``group``, this rank's share of the samples.
+        ``attention``: each item also carries, per target layer, the target's
+        attention from every query of the window to the translated positions
+        ([1, T, n], for fit.AttentionValueAccumulator)."""
         rng = random.Random(seed)
         layers = translator.source_layers if layers is None else layers
         samples = (self.sample(self.train_text, context_len, 1, rng) for _ in range(count))
@@ -159,10 +162,16 @@ class AlignedText:
             keep = [j for j, i in enumerate(idx) if i != NATIVE]
             rows = mx.array([idx[j] for j in keep])
             sk, sv, _ = token_features(source, mx.array(s.alignment.source_tokens)[None], layers)
-            tk, tv, _ = token_features(target, mx.array(s.alignment.target_tokens)[None])
+            tokens = mx.array(s.alignment.target_tokens)[None]
+            if attention:
+                cache, weights = attention_weights(target, tokens)
+                tk, tv, _ = cache_features(target, cache)
+            else:
+                tk, tv, _ = token_features(target, tokens)
             gather = lambda xs, r: [x[:, r] if x is not None else None for x in xs]  # noqa: E731
             keep = mx.array(keep)
-            yield gather(sk, rows), gather(sv, rows), gather(tk, keep), gather(tv, keep)
+            item = gather(sk, rows), gather(sv, rows), gather(tk, keep), gather(tv, keep)
+            yield (*item, [w[:, :, keep] for w in weights]) if attention else item
 
 
 def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
