@@ -14,6 +14,10 @@ Medians over repeats; the ratio is what a step got cheaper. Timings taken while
 other jobs share the machine are only comparable as ratios within one run.
 
     python benchmarks/distill_step.py --json benchmarks/results/distill-step.json
+    python benchmarks/distill_step.py --rank 16 ...  # also the stored step of `train --rank 16`
+
+(`--rank R`: a third path, the same stored batches training a rank-R correction on
+frozen maps, whose backward skips the full maps' weight gradients.)
 """
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
@@ -36,10 +40,12 @@ from mlx_kvlingo.train import RunConfig
 from mlx_kvlingo.translator import Translator
 
 
-def time_direction(source, target, repeats: int, context: int, topk: int, tail: int) -> dict:
+def time_direction(source, target, repeats: int, context: int, topk: int, tail: int,
+                   rank: int = 0, sources_per_layer: int = 4) -> dict:
     src, src_tok = load(source)
     tgt, tgt_tok = load(target)
-    translator = Translator.for_models(src, tgt, src_tok, tgt_tok, sources_per_layer=4)
+    translator = Translator.for_models(src, tgt, src_tok, tgt_tok,
+                                       sources_per_layer=sources_per_layer)
     train, heldout = data.split_documents(data.read_corpus("stdlib"))
     text = "\n\n".join(t for _, t in train)
     pair = AlignedText(src_tok, tgt_tok, text, text)
@@ -51,6 +57,13 @@ def time_direction(source, target, repeats: int, context: int, topk: int, tail: 
     copy = Translator(translator.spec)  # each path trains its own maps
     copy.update(translator.parameters())
     fresh, stored = Distiller(translator, tgt, fresh_cfg), Distiller(copy, tgt, stored_cfg)
+    lowrank = None
+    if rank:  # the same stored step training a rank-R correction on frozen maps
+        base = Translator(translator.spec)
+        base.update(translator.parameters())
+        lowrank = Distiller(base, tgt, DistillConfig(batch_size=2, accumulate=1, lr=1e-4,
+                                                     teacher_topk=topk, native_tail=tail,
+                                                     rank=rank))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store = FeatureStore(Path(tmp), {"bench": 1}, pool=repeats + 1, teacher_topk=topk,
@@ -71,17 +84,26 @@ def time_direction(source, target, repeats: int, context: int, topk: int, tail: 
             t4 = time.perf_counter()
             stored.train_step(cached)
             t5 = time.perf_counter()
+            if lowrank is not None:
+                lowrank.train_step(cached)
+            t6 = time.perf_counter()
             if r:
                 rows.append(dict(fresh_prepare_s=t1 - t0, fresh_update_s=t2 - t1,
                                  stored_read_s=t4 - t3, stored_update_s=t5 - t4))
+                if lowrank is not None:
+                    rows[-1][f"stored_rank{rank}_update_s"] = t6 - t5
             shard_mb = store.shard(r).stat().st_size / 2**20
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     fresh_s = med["fresh_prepare_s"] + med["fresh_update_s"]
     stored_s = med["stored_read_s"] + med["stored_update_s"]
-    return dict(source=source, target=target, context=context, continuation=64, sequences=2,
-                teacher_topk=topk, native_tail=tail, repeats=repeats, medians=med,
-                fresh_step_s=fresh_s, stored_step_s=stored_s, ratio=fresh_s / stored_s,
-                shard_mb=shard_mb, rows=rows)
+    out = dict(source=source, target=target, context=context, continuation=64, sequences=2,
+               teacher_topk=topk, native_tail=tail, repeats=repeats, medians=med,
+               fresh_step_s=fresh_s, stored_step_s=stored_s, ratio=fresh_s / stored_s,
+               shard_mb=shard_mb, rows=rows)
+    if rank:
+        lowrank_s = med["stored_read_s"] + med[f"stored_rank{rank}_update_s"]
+        out.update(rank=rank, stored_lowrank_step_s=lowrank_s, ratio_lowrank=fresh_s / lowrank_s)
+    return out
 
 
 def main(argv=None):
@@ -89,16 +111,22 @@ def main(argv=None):
     p.add_argument("--json", type=Path, default=Path("distill-step.json"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rank", type=int, default=0,
+                   help="Also time the stored step training a rank-R correction (--rank of train).")
+    p.add_argument("--sources-per-layer", type=int, default=4)
     args = p.parse_args(argv)
     results = []
     for source, target, topk in (("smollm2", "gemma3", 128), ("gemma3", "smollm2", 0)):
-        r = time_direction(source, target, args.repeats, args.context, topk, tail=16)
+        r = time_direction(source, target, args.repeats, args.context, topk, tail=16,
+                           rank=args.rank, sources_per_layer=args.sources_per_layer)
         results.append(r)
         m = r["medians"]
         print(f"{source} -> {target}: fresh step {r['fresh_step_s']:.2f}s "
               f"(prepare {m['fresh_prepare_s']:.2f} + update {m['fresh_update_s']:.2f}), "
               f"stored step {r['stored_step_s']:.2f}s (read {m['stored_read_s']:.2f} + update "
-              f"{m['stored_update_s']:.2f}): {r['ratio']:.1f}x cheaper; shard {r['shard_mb']:.1f} MB")
+              f"{m['stored_update_s']:.2f}): {r['ratio']:.1f}x cheaper; shard {r['shard_mb']:.1f} MB"
+              + (f"; stored rank-{args.rank} step {r['stored_lowrank_step_s']:.2f}s: "
+                 f"{r['ratio_lowrank']:.1f}x" if args.rank else ""))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"environment": environment(), "results": results}, indent=1))
     print(f"Wrote {args.json}")
