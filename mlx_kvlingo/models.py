@@ -626,7 +626,8 @@ def attention_weights(model: nn.Module, tokens: mx.array,
     ``scaled_dot_product_attention`` (queries after their norm and rope, keys as
     cached, the layer's scale and mask, sliding windows included), so they are the
     model's for any architecture that calls it. For fitting value maps against what
-    attention does with them (fit.AttentionValueAccumulator)."""
+    attention does with them (fit.AttentionValueAccumulator). It swaps that function
+    in the model's module for the pass: not for a model another thread is running."""
     if tokens.ndim == 1:
         tokens = tokens[None]
     module = sys.modules[type(model.layers[0].self_attn).__module__]
