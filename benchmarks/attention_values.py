@@ -22,8 +22,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
-
 from mlx_kvlingo.fit import AttentionValueAccumulator, MomentAccumulator
 from mlx_kvlingo.translator import Translator, load_translator
 from mlx_kvlingo_cli.main import _load_pair, _pair_data

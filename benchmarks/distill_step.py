@@ -54,16 +54,17 @@ def time_direction(source, target, repeats: int, context: int, topk: int, tail: 
     fresh_cfg = DistillConfig(batch_size=2, accumulate=1, lr=1e-5)
     stored_cfg = DistillConfig(batch_size=2, accumulate=1, lr=1e-5, teacher_topk=topk,
                                native_tail=tail)
-    copy = Translator(translator.spec)  # each path trains its own maps
-    copy.update(translator.parameters())
-    fresh, stored = Distiller(translator, tgt, fresh_cfg), Distiller(copy, tgt, stored_cfg)
+    def copy():  # each path trains its own maps
+        t = Translator(translator.spec)
+        t.update(translator.parameters())
+        return t
+
+    fresh, stored = Distiller(translator, tgt, fresh_cfg), Distiller(copy(), tgt, stored_cfg)
     lowrank = None
     if rank:  # the same stored step training a rank-R correction on frozen maps
-        base = Translator(translator.spec)
-        base.update(translator.parameters())
-        lowrank = Distiller(base, tgt, DistillConfig(batch_size=2, accumulate=1, lr=1e-4,
-                                                     teacher_topk=topk, native_tail=tail,
-                                                     rank=rank))
+        lowrank = Distiller(copy(), tgt, DistillConfig(batch_size=2, accumulate=1, lr=1e-4,
+                                                       teacher_topk=topk, native_tail=tail,
+                                                       rank=rank))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         store = FeatureStore(Path(tmp), {"bench": 1}, pool=repeats + 1, teacher_topk=topk,

@@ -374,7 +374,7 @@ def _cache_layout(target, i: int, lg, kind: str, x, first: int, dtype, prefix, k
 
 
 _UNITS_IN_FLIGHT = 2
-_DRAINED_TAIL = 2  # last units run alone (see _translate_fresh); 1 left SmolLM2 -> Gemma 3 at 256 tokens over in 2 of 8
+_DRAINED_TAIL = 2  # last units run alone (_translate_fresh); 1 left S -> G at 256 over in 2 of 8
 
 
 @dataclass
