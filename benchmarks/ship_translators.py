@@ -1,7 +1,10 @@
 """Copy trained SmolLM2 <-> Gemma 3 translators into the package, in float16, with their
 held-out evaluation (from benchmarks/fidelity.py's eval JSONs) in the metadata.
 
-    python benchmarks/ship_translators.py --work runs/r2 [--native-tail 16]
+    python benchmarks/ship_translators.py --work runs/r2 [--native-tail 16] [--bits 8]
+
+(``--bits 8``: maps quantized group-wise, about half of float16's size; they load back
+dequantized to float32.)
 """
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
@@ -40,6 +43,8 @@ def main():
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--native-tail", type=int, default=16,
                     help="Default native tail stored in the shipped files.")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                    help="Quantize the maps to this many bits (default: float16).")
     args = ap.parse_args()
     ASSETS.mkdir(parents=True, exist_ok=True)
     for pair, name in SHIPPED.items():
@@ -54,7 +59,7 @@ def main():
         if hasattr(t.spec, "native_tail"):
             t.spec.native_tail = args.native_tail
         out = ASSETS / name
-        t.save(out, dtype=mx.float16)
+        t.save(out, dtype=mx.float16, bits=args.bits)
         print(f"{src} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
 
 

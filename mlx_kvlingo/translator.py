@@ -7,7 +7,11 @@ by default, the nearest in relative depth).
 
 File format: one safetensors file. Tensors ``k_maps.{i}.weight`` and
 ``v_maps.{i}.weight`` ([target width, source width x len(layer_map[i])], float32);
-metadata key ``mlx_kvlingo`` holds the JSON of :class:`TranslatorSpec`.
+metadata key ``mlx_kvlingo`` holds the JSON of :class:`TranslatorSpec`. A file saved
+with ``bits`` (8 or 4) stores each map whose input width is a multiple of 64 quantized
+as ``nn.QuantizedLinear`` lays it out (``weight`` packed in uint32, ``scales`` and
+``biases`` per 64 inputs), under metadata key ``mlx_kvlingo.quantization``; it loads
+back dequantized to float32, so a switch runs the same float32 matmuls either way.
 """
 
 import json
@@ -33,6 +37,8 @@ from .models import (
 
 FORMAT_VERSION = 1
 METADATA_KEY = "mlx_kvlingo"
+QUANT_KEY = "mlx_kvlingo.quantization"
+QUANT_GROUP = 64  # inputs sharing one scale and bias (SmolLM2's and Gemma's widths divide it)
 ALIGNMENTS = ("shared", "last_char")
 
 
@@ -202,22 +208,41 @@ class Translator(nn.Module):
 
     # -- files ---------------------------------------------------------------
 
-    def save(self, path, dtype: mx.Dtype = mx.float32):
+    def save(self, path, dtype: mx.Dtype = mx.float32, bits: Optional[int] = None):
         """Write the translator atomically (temporary file, then rename); ``dtype``
-        float32 or float16 (half the size; loads back as float32)."""
+        float32 or float16 (half the size; loads back as float32). ``bits`` (8 or 4)
+        also quantizes every map whose input width is a multiple of 64, group-wise
+        (scales and biases in ``dtype``): 8 bits is about half of float16's size."""
         if dtype not in (mx.float32, mx.float16):
             raise ValueError("Translators are saved in float32 or float16.")
+        if bits not in (None, 4, 8):
+            raise ValueError(f"Translators are quantized to 8 or 4 bits, not {bits!r}.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = dict(tree_flatten(self.parameters()))
-        arrays = {k: v.astype(dtype) for k, v in arrays.items()}
+        metadata = {METADATA_KEY: self.spec.to_json()}
+        arrays = {}
+        for name, w in tree_flatten(self.parameters()):
+            if bits and _quantizable(w.shape):
+                wq, scales, biases = mx.quantize(w.astype(mx.float32), group_size=QUANT_GROUP,
+                                                 bits=bits)
+                stem = name[: -len("weight")]
+                arrays.update({name: wq, stem + "scales": scales.astype(dtype),
+                               stem + "biases": biases.astype(dtype)})
+            else:
+                arrays[name] = w.astype(dtype)
+        if bits:
+            metadata[QUANT_KEY] = json.dumps({"bits": bits, "group_size": QUANT_GROUP})
         tmp = path.with_name(f".{path.name}.tmp.safetensors")
         try:
-            mx.save_safetensors(str(tmp), arrays, {METADATA_KEY: self.spec.to_json()})
+            mx.save_safetensors(str(tmp), arrays, metadata)
             os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+
+def _quantizable(shape) -> bool:
+    return len(shape) == 2 and shape[-1] % QUANT_GROUP == 0
 
 
 def _concat(xs: List[mx.array]) -> mx.array:
@@ -269,34 +294,80 @@ def load_translator(path) -> Translator:
         raise TranslatorFileError(f"{path}: damaged translator metadata ({e!r}).") from e
     expected = dict(tree_flatten(translator.parameters()))
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
+    bits = _quantization(path, meta)
+    layout = _file_layout(expected, bits)
+    if set(tensors) != set(layout):
+        missing = sorted(set(layout) - set(tensors))
+        extra = sorted(set(tensors) - set(layout))
         raise TranslatorFileError(
             f"{path}: tensors do not match the metadata (missing {missing[:4]}, "
             f"unexpected {extra[:4]})."
         )
-    # All maps in float32, or all in float16 (shipped translators: half the size).
-    dtypes = [info.get("dtype") for info in tensors.values()]
-    want = dtypes[0] if dtypes and dtypes[0] in ("F32", "F16") and len(set(dtypes)) == 1 else "F32"
-    for name, info in tensors.items():
-        if info.get("dtype") != want or list(info.get("shape", [])) != list(
-            expected[name].shape
-        ):
+    # All floating tensors in float32, or all in float16 (shipped translators: half
+    # the size); quantized weights are packed uint32.
+    floats = [tensors[n].get("dtype") for n, (kind, _) in layout.items() if kind == "float"]
+    want = floats[0] if floats and floats[0] in ("F32", "F16") and len(set(floats)) == 1 else "F32"
+    for name, (kind, shape) in layout.items():
+        info = tensors[name]
+        dtype = "U32" if kind == "packed" else want
+        if info.get("dtype") != dtype or list(info.get("shape", [])) != list(shape):
             raise TranslatorFileError(
                 f"{path}: tensor {name} is {info.get('dtype')} {info.get('shape')}, "
-                f"expected {want} {list(expected[name].shape)}."
+                f"expected {dtype} {list(shape)}."
             )
     try:
         arrays = mx.load(str(path), format="safetensors")
     except Exception as e:
         raise TranslatorFileError(f"{path}: could not read tensors ({e}).") from e
     for name, a in arrays.items():
-        if not mx.all(mx.isfinite(a)).item():
+        if layout[name][0] == "float" and not mx.all(mx.isfinite(a)).item():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or inf.")
+    arrays = _dequantize(arrays, expected, bits)
     translator.load_weights([(k, v.astype(mx.float32)) for k, v in arrays.items()])
     mx.eval(translator.parameters())
     return translator
+
+
+def _quantization(path, meta) -> Optional[int]:
+    """The bits of a quantized file (None: plain float)."""
+    if QUANT_KEY not in meta:
+        return None
+    try:
+        q = json.loads(meta[QUANT_KEY])
+        ok = q["bits"] in (4, 8) and q["group_size"] == QUANT_GROUP
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise TranslatorFileError(f"{path}: unsupported quantization {meta[QUANT_KEY]!r}.")
+    return q["bits"]
+
+
+def _file_layout(expected: dict, bits: Optional[int]) -> dict:
+    """Each tensor a file must hold: name -> (kind, shape), kind "float" or "packed"."""
+    layout = {}
+    for name, w in expected.items():
+        out, width = w.shape
+        if bits and _quantizable(w.shape):
+            stem = name[: -len("weight")]
+            layout[name] = ("packed", (out, width * bits // 32))
+            layout[stem + "scales"] = layout[stem + "biases"] = ("float", (out, width // QUANT_GROUP))
+        else:
+            layout[name] = ("float", tuple(w.shape))
+    return layout
+
+
+def _dequantize(arrays: dict, expected: dict, bits: Optional[int]) -> dict:
+    out = {}
+    for name, w in expected.items():
+        if bits and _quantizable(w.shape):
+            stem = name[: -len("weight")]
+            scales = arrays[stem + "scales"].astype(mx.float32)
+            biases = arrays[stem + "biases"].astype(mx.float32)
+            out[name] = mx.dequantize(arrays[name], scales, biases, group_size=QUANT_GROUP,
+                                      bits=bits)
+        else:
+            out[name] = arrays[name]
+    return out
 
 
 def _is_count(x, minimum=0) -> bool:
@@ -335,7 +406,8 @@ def _validate_spec(spec: TranslatorSpec):
             )
 
 
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1}
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1,
+                "U32": 4}
 
 
 def _read_safetensors_header(path: Path) -> dict:

@@ -604,3 +604,58 @@ def _size_f32(t, tmp_path):
     p = tmp_path / "full.safetensors"
     t.save(p)
     return p.stat().st_size
+
+
+def test_quantized_translator_files_load_back_dequantized(tmp_path):
+    """``save(bits=8)`` packs every map whose input width is a multiple of 64
+    group-wise; the file is about a quarter of float32's and loads back as float32
+    maps equal to MLX's own dequantization, close to the originals."""
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt, sources_per_layer=2)  # 2 x 32 = 64 inputs
+    p = tmp_path / "q8.safetensors"
+    t.save(p, dtype=mx.float16, bits=8)
+    assert p.stat().st_size < 0.35 * _size_f32(t, tmp_path)
+    loaded = load_translator(p)
+    for a, b in zip(t.k_maps + t.v_maps, loaded.k_maps + loaded.v_maps):
+        wq, s, z = mx.quantize(a.weight, group_size=64, bits=8)
+        want = mx.dequantize(wq, s.astype(mx.float16).astype(mx.float32),
+                             z.astype(mx.float16).astype(mx.float32), group_size=64, bits=8)
+        assert b.weight.dtype == mx.float32
+        assert mx.allclose(b.weight, want, atol=1e-6).item()
+        err = mx.abs(b.weight - a.weight).max().item()
+        assert 0 < err < 0.01 * mx.abs(a.weight).max().item()
+
+
+def test_quantized_save_keeps_narrow_maps_in_float(tmp_path):
+    """Maps whose input width 64 does not divide stay float in a quantized file."""
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt)  # 32 inputs per map
+    p = tmp_path / "q4.safetensors"
+    t.save(p, bits=4)
+    loaded = load_translator(p)
+    for a, b in zip(t.k_maps + t.v_maps, loaded.k_maps + loaded.v_maps):
+        assert mx.array_equal(a.weight, b.weight)
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        t.save(p, bits=3)
+
+
+def test_quantized_files_with_bad_metadata_or_tensors_are_refused(tmp_path):
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt, sources_per_layer=2)
+    p = tmp_path / "q8.safetensors"
+    t.save(p, dtype=mx.float16, bits=8)
+    arrays, meta = mx.load(str(p), return_metadata=True)
+
+    bad = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(bad), arrays, dict(meta, **{"mlx_kvlingo.quantization":
+                                                        '{"bits": 3, "group_size": 64}'}))
+    with pytest.raises(TranslatorFileError, match="unsupported quantization"):
+        load_translator(bad)
+    no_meta = {k: v for k, v in meta.items() if k != "mlx_kvlingo.quantization"}
+    mx.save_safetensors(str(bad), arrays, no_meta)  # packed tensors read as plain maps
+    with pytest.raises(TranslatorFileError, match="do not match"):
+        load_translator(bad)
+    wrong = dict(arrays, **{"k_maps.0.weight": arrays["k_maps.0.weight"].astype(mx.float32)})
+    mx.save_safetensors(str(bad), wrong, meta)
+    with pytest.raises(TranslatorFileError, match="expected U32"):
+        load_translator(bad)
