@@ -86,14 +86,19 @@ class LowRankMaps(nn.Module):
                 a.append(mx.random.normal((rank, in_dim), key=sub) / math.sqrt(in_dim))
                 b.append(mx.zeros((out_dim, rank)))
 
-    def __call__(self, keys, values):
+    def __call__(self, keys, values, frozen=None):
+        """``frozen``: the frozen maps' outputs on these inputs (per target layer, K
+        and V), when already computed (:meth:`Distiller.with_frozen_outputs`); the
+        frozen maps are then not run again, only the correction."""
         out_k, out_v = [], []
         spec = self.base.spec
         for i, layers in enumerate(spec.layer_map):
             xk = _concat([keys[j] for j in layers])
             xv = _concat([values[j] for j in layers])
-            out_k.append(self.base.k_maps[i](xk) + (xk @ self.a_k[i].T) @ self.b_k[i].T)
-            out_v.append(self.base.v_maps[i](xv) + (xv @ self.a_v[i].T) @ self.b_v[i].T)
+            base_k = frozen[0][i] if frozen else self.base.k_maps[i](xk)
+            base_v = frozen[1][i] if frozen else self.base.v_maps[i](xv)
+            out_k.append(base_k + (xk @ self.a_k[i].T) @ self.b_k[i].T)
+            out_v.append(base_v + (xv @ self.a_v[i].T) @ self.b_v[i].T)
         return out_k, out_v
 
     def merged(self) -> Translator:
@@ -133,6 +138,10 @@ class Batch:
     n_native: int
     teacher_idx: Optional[mx.array] = None  # [B, L, k] vocabulary ids of `teacher`
     native_tail: int = 0  # last context positions the target computes itself
+    # Training a low-rank correction: the frozen maps' outputs on src_keys/src_values
+    # (per target layer), computed once per sample (Distiller.with_frozen_outputs).
+    frozen_keys: Optional[List[mx.array]] = None
+    frozen_values: Optional[List[mx.array]] = None
 
     @property
     def tokens(self) -> int:
@@ -199,7 +208,11 @@ def translated_cache(target, maps, batch: Batch):
         append_layer(c, pk, pv, 0, batch.n_native)
     n = batch.context.shape[1] - 1 - batch.n_native - batch.native_tail
     cut = lambda xs: [x[:, :n] if x is not None else None for x in xs]  # noqa: E731
-    keys, values = maps(cut(batch.src_keys), cut(batch.src_values))
+    if batch.frozen_keys is not None:
+        frozen = (cut(batch.frozen_keys), cut(batch.frozen_values))
+        keys, values = maps(cut(batch.src_keys), cut(batch.src_values), frozen)
+    else:
+        keys, values = maps(cut(batch.src_keys), cut(batch.src_values))
     if _spec(maps).native_layer0:
         keys[0], values[0] = layer0_features(
             target, batch.context[:, batch.n_native : batch.n_native + n])
@@ -330,6 +343,25 @@ class Distiller:
         if self.group is not None:
             total, grads = distributed.mean_over_ranks(total, grads, weight, self.group)
         return total, grads
+
+    def with_frozen_outputs(self, batches: List[Batch], memo: dict, key,
+                            dtype=mx.float16) -> List[Batch]:
+        """Training a low-rank correction, ``batches`` with the frozen maps' outputs
+        attached, computed on the first call for ``key`` and kept in ``memo`` (in
+        ``dtype``). Over a feature-store pool a sample comes back every epoch, and
+        the frozen maps are most of a stored step's work (a top-18 map reads 18
+        source layers): this runs them once per sample instead of every step. With
+        full maps (``rank == 0``) the batches are returned as they are."""
+        if not isinstance(self.maps, LowRankMaps):
+            return batches
+        if key not in memo:
+            outs = [self.maps.base(b.src_keys, b.src_values) for b in batches]
+            outs = [([k.astype(dtype) for k in ks], [v.astype(dtype) for v in vs])
+                    for ks, vs in outs]
+            mx.eval(outs)
+            memo[key] = outs
+        return [replace(b, frozen_keys=ks, frozen_values=vs)
+                for b, (ks, vs) in zip(batches, memo[key])]
 
     def translator(self) -> Translator:
         """The current maps as a plain translator (corrections merged)."""

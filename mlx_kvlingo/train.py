@@ -227,13 +227,16 @@ def train(
                              config.distill.teacher_topk,
                              log=lambda m: progress and progress({"message": m}))
 
+    frozen = {}  # pool step -> the frozen maps' outputs on its samples (rank > 0)
+
     def step_batches(step: int):
         if store is None:
             return pair_data.step_batches(source, target, distiller.base, config, step, group)
-        return store.get(
-            store.pool_step(step, config.distill.seed),
-            lambda v: pair_data.step_batches(source, target, distiller.base, config, v, group),
+        v = store.pool_step(step, config.distill.seed)
+        batches = store.get(
+            v, lambda v: pair_data.step_batches(source, target, distiller.base, config, v, group)
         )
+        return distiller.with_frozen_outputs(batches, frozen, v, store.dtype)
 
     eval_context = config.eval_context or max(config.context_lengths)
     eval_items = pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)

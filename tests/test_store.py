@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from mlx_kvlingo import data
-from mlx_kvlingo.distill import DistillConfig, RmsScaledAdamW, kl_loss, make_batch
+from mlx_kvlingo.distill import (
+    DistillConfig,
+    Distiller,
+    RmsScaledAdamW,
+    kl_loss,
+    make_batch,
+)
 from mlx_kvlingo.fit import fit_stage1
 from mlx_kvlingo.samples import SharedTokens
 from mlx_kvlingo.store import FeatureStore
@@ -57,6 +63,34 @@ def test_cached_step_equals_the_uncached_step(pair, tmp_path, tail):
     half = FeatureStore(tmp_path / "h", {"k": 1}, pool=1, log=lambda m: None).get(0, lambda v: fresh)
     c = _loss_and_grads(t, tgt, half[0].with_native_tail(tail))
     assert c[0] == pytest.approx(a[0], rel=2e-2)
+
+
+@pytest.mark.parametrize("tail", [0, 3])
+def test_frozen_map_outputs_computed_once_give_the_same_step(pair, tail):
+    """Training a low-rank correction, the frozen maps' outputs attached to a batch
+    (computed once per sample) give the loss and gradients of running the maps."""
+    src, tgt, t, _ = pair
+    base = Translator(t.spec)
+    base.update(t.parameters())
+    distiller = Distiller(base, tgt, DistillConfig(rank=4, seed=1))
+    for b in distiller.maps.b_k + distiller.maps.b_v:  # a non-zero correction
+        b[:] = 0.01 * mx.random.normal(b.shape, key=mx.random.key(len(b.shape)))
+    batches = [_batch(pair, 2), _batch(pair, 3)]
+    memo = {}
+    attached = distiller.with_frozen_outputs(batches, memo, key=7, dtype=mx.float32)
+    again = distiller.with_frozen_outputs(batches, memo, key=7, dtype=mx.float32)
+    assert list(memo) == [7] and again[0].frozen_keys[1] is attached[0].frozen_keys[1]
+    for plain, with_frozen in zip(batches, attached):
+        a = _loss_and_grads(distiller.maps, tgt, plain.with_native_tail(tail))
+        b = _loss_and_grads(distiller.maps, tgt, with_frozen.with_native_tail(tail))
+        assert a[0] == pytest.approx(b[0], rel=1e-6)
+        for (name, ga), (_, gb) in zip(_flat(a[1]), _flat(b[1])):
+            np.testing.assert_allclose(np.array(ga), np.array(gb), rtol=1e-5, atol=1e-8,
+                                       err_msg=name)
+        assert any(float(mx.abs(g).max()) > 0 for _, g in _flat(a[1]))
+    # Full maps train every entry: nothing is frozen, nothing attached.
+    full = Distiller(t, tgt, DistillConfig())
+    assert full.with_frozen_outputs(batches, {}, key=0) is batches
 
 
 def _flat(tree):
