@@ -93,12 +93,13 @@ class LowRankMaps(nn.Module):
         out_k, out_v = [], []
         spec = self.base.spec
         for i, layers in enumerate(spec.layer_map):
-            xk = _concat([keys[j] for j in layers])
-            xv = _concat([values[j] for j in layers])
-            base_k = frozen[0][i] if frozen else self.base.k_maps[i](xk)
-            base_v = frozen[1][i] if frozen else self.base.v_maps[i](xv)
-            out_k.append(base_k + (xk @ self.a_k[i].T) @ self.b_k[i].T)
-            out_v.append(base_v + (xv @ self.a_v[i].T) @ self.b_v[i].T)
+            xk, xv = [keys[j] for j in layers], [values[j] for j in layers]
+            if frozen:
+                base_k, base_v = frozen[0][i], frozen[1][i]
+            else:
+                base_k, base_v = self.base.k_maps[i](_concat(xk)), self.base.v_maps[i](_concat(xv))
+            out_k.append(base_k + _project(xk, self.a_k[i]) @ self.b_k[i].T)
+            out_v.append(base_v + _project(xv, self.a_v[i]) @ self.b_v[i].T)
         return out_k, out_v
 
     def merged(self) -> Translator:
@@ -113,6 +114,18 @@ class LowRankMaps(nn.Module):
 
 def _concat(xs):
     return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+
+
+def _project(xs, a):
+    """``concat(xs) @ a.T`` block by block, without building the concatenation: a
+    wide map reads up to 18 source layers, and each map's concatenation (written,
+    then read, forward and backward) cost more than the rank-16 product itself."""
+    out, start = None, 0
+    for x in xs:
+        y = x @ a[:, start : start + x.shape[-1]].T
+        out = y if out is None else out + y
+        start += x.shape[-1]
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -199,3 +199,20 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny_pair, tmp_path,
     for p, data in before.items():
         assert p.read_bytes() == data
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+def test_low_rank_maps_over_several_source_layers_equal_their_merged_maps():
+    """The correction is applied block by block over a map's source layers (no
+    concatenation); the result is the merged maps' translation."""
+    src, tgt = tiny_model("qwen3", seed=1), tiny_model("llama", seed=2)
+    t = Translator.for_models(src, tgt, sources_per_layer=3)
+    maps = LowRankMaps(t, rank=4, seed=5)
+    for b in maps.b_k + maps.b_v:
+        b[:] = mx.random.normal(b.shape, key=mx.random.key(b.shape[0])) * 0.1
+    widths = [g["n_kv_heads"] * g["head_dim"] for g in t.spec.source.geometry["layers"]]
+    keys = [mx.random.normal((2, 5, w), key=mx.random.key(i)) for i, w in enumerate(widths)]
+    values = [mx.random.normal((2, 5, w), key=mx.random.key(50 + i)) for i, w in enumerate(widths)]
+    got_k, got_v = maps(keys, values)
+    want_k, want_v = maps.merged()(keys, values)
+    for a, b in zip(got_k + got_v, want_k + want_v):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
