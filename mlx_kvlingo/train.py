@@ -102,13 +102,19 @@ def plan_steps(budget_s: float, spent_s: float, prepare_s: float, update_s: floa
 
 def probe_step_cost(source, target, translator, pair_data, config: RunConfig):
     """Seconds for one step's frozen passes and for its gradients, measured on the
-    step the run starts with (on a copy of the maps: nothing is trained)."""
-    t0 = time.perf_counter()
-    batches = pair_data.step_batches(source, target, translator, config, 0)
-    t1 = time.perf_counter()
+    step the run starts with (on a copy of the maps: nothing is trained). With a
+    store and a low-rank correction the frozen maps run once per pool sample, as in
+    :func:`train`: that run counts with the frozen passes, and the gradients are
+    timed as every later epoch's step computes them."""
     maps = Translator(translator.spec)
     maps.update(translator.parameters())
-    mx.eval(Distiller(maps, target, config.distill).gradients(batches))
+    distiller = Distiller(maps, target, config.distill)
+    t0 = time.perf_counter()
+    batches = pair_data.step_batches(source, target, translator, config, 0)
+    if config.store_pool:
+        batches = distiller.with_frozen_outputs(batches, {}, 0)
+    t1 = time.perf_counter()
+    mx.eval(distiller.gradients(batches))
     return t1 - t0, time.perf_counter() - t1
 
 

@@ -259,13 +259,14 @@ def test_last_logits_equal_the_full_forward(arch, tied):
     np.testing.assert_allclose(np.array(part), np.array(full), rtol=1e-5, atol=1e-5)
 
 
-def test_probe_measures_a_step_without_training(pair):
+@pytest.mark.parametrize("rank, pool", [(0, 0), (2, 3)])
+def test_probe_measures_a_step_without_training(pair, rank, pool):
     from mlx_kvlingo.train import probe_step_cost
 
     src, tgt, t, stream = pair
     before = [np.array(m.weight) for m in t.k_maps + t.v_maps]
-    cfg = RunConfig(DistillConfig(batch_size=2, accumulate=1), context_lengths=(16,),
-                    continuation_len=6)
+    cfg = RunConfig(DistillConfig(batch_size=2, accumulate=1, rank=rank), context_lengths=(16,),
+                    continuation_len=6, store_pool=pool)
     prepare_s, update_s = probe_step_cost(src, tgt, t, SharedTokens(stream, stream), cfg)
     assert prepare_s > 0 and update_s > 0
     assert all(np.array_equal(a, np.array(m.weight)) for a, m in zip(before, t.k_maps + t.v_maps))
