@@ -122,7 +122,7 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
     sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
-    group=None, pair=None,
+    group=None, pair=None, from_store=None,
 ):
     """Stage 1 with a progress bar; returns (translator, report).
 
@@ -131,11 +131,13 @@ def fit_translator_cli(
     the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
     ``group`` (under mlx.launch): each rank fits on its share of the windows, the
     moments are summed, and every rank ends with rank 0's maps. ``pair``: the
-    corpus's samples when already read (default: read ``corpus``).
+    corpus's samples when already read (default: read ``corpus``). ``from_store``:
+    called with the new translator, gives the fit's features from stage 2's feature
+    store as it builds (train.store_fit_features) instead of windows of its own.
     """
     from mlx_kvlingo import data, distributed
     from mlx_kvlingo.evaluate import evaluate_pair
-    from mlx_kvlingo.fit import fit_features, fit_selected, fit_stage1
+    from mlx_kvlingo.fit import fit_features, fit_selected
     from mlx_kvlingo.models import token_features
     from mlx_kvlingo.samples import SharedTokens
     from mlx_kvlingo.translator import Translator
@@ -150,12 +152,9 @@ def fit_translator_cli(
     label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
     all_layers = list(range(len(translator.spec.source.cache_geometry.layers)))
 
-    def shared_windows():
-        return distributed.shard_iter(
-            data.token_windows(pair.train_stream, context_len, batch_size, windows), group)
-
     def shared_features(layers):
-        for tokens in shared_windows():
+        for tokens in distributed.shard_iter(
+                data.token_windows(pair.train_stream, context_len, batch_size, windows), group):
             sk, sv, _ = token_features(src, tokens, layers)
             tk, tv, _ = token_features(tgt, tokens)
             yield sk, sv, tk, tv
@@ -172,23 +171,27 @@ def fit_translator_cli(
                        f"held-out KL {r.kl:.4f}, CBR {r.cbr:.1%}")
         return distributed.broadcast_json(min(range(len(rows)), key=lambda i: rows[i].kl), group)
 
+    shared = isinstance(pair, SharedTokens)
+
+    def fit_input(layers):
+        """(features of ``layers`` and every target layer, positions to skip)."""
+        if from_store is not None:  # cut past the native prefix already
+            return from_store(translator), 0
+        if shared:
+            return shared_features(layers), native_prefix
+        return pair.fit_features(src, tgt, translator, windows, context_len, layers=layers,
+                                 group=group), 0
+
     with typer.progressbar(length=total, label=label) as bar:
-        shared = isinstance(pair, SharedTokens)
         if select_layers:
-            features = (shared_features(all_layers) if shared else
-                        pair.fit_features(src, tgt, translator, windows, context_len,
-                                          layers=all_layers, group=group))
-            skip = native_prefix if shared else 0
+            features, skip = fit_input(all_layers)
             extra = {f"adjacent{sources_per_layer}": translator.spec.layer_map}
             translator, report, fitted = fit_selected(translator, features, select_layers, ridge,
                                                       choose, bar.update, skip, extra, group)
-        elif shared:
-            report = fit_stage1(src, tgt, translator, shared_windows(), ridge=ridge,
-                                progress=bar.update, group=group)
         else:
-            features = pair.fit_features(src, tgt, translator, windows, context_len, group=group)
+            features, skip = fit_input(translator.source_layers)
             report = fit_features(translator, features, ridge=ridge, progress=bar.update,
-                                  group=group)
+                                  skip=skip, group=group)
     # The same moments give the same maps; sending rank 0's makes it exact even
     # across machines whose linear algebra rounds differently.
     distributed.broadcast_module(translator, group)
@@ -462,15 +465,31 @@ def train(
             _check_same_data(src, tgt, pair, group)
         translator = None
         if stage in ("1", "both") and not resume:
+            from_store = None
+            if stage == "both" and store_pool and group is None:
+                # One pass over the pool's samples serves both stages (the fit reads
+                # the target's K/V off the teacher's prefill): the recipe's longest part.
+                from mlx_kvlingo.train import store_fit_features
+
+                pair = _pair_data(corpus, src_tok, tgt_tok)
+                typer.echo(f"Stage 1 fits on stage 2's feature store ({store_pool} pool steps), "
+                           "built now: one pass over the samples for both stages.")
+
+                def from_store(t):
+                    return store_fit_features(src, tgt, t, pair, out, config, fit_tokens,
+                                              corpus, _print_progress)
             translator, report = fit_translator_cli(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
-                candidates_beside=out, group=group, pair=pair,
+                candidates_beside=out, group=group, pair=pair, from_store=from_store,
             )
             translator.spec.native_layer0 = bool(native_layer0)
             r = report.to_dict()
             typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
                        f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
+            if from_store is not None and r["tokens"] < fit_tokens:
+                typer.echo(f"  (all of the pool's positions: fewer than --fit-tokens {fit_tokens}; "
+                           "a larger --store-pool gives the fit more)")
             if distributed.is_writer(group):
                 translator.save(out)
             if stage == "1":

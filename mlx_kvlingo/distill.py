@@ -28,6 +28,7 @@ from . import distributed
 from .models import (
     append_layer,
     build_cache,
+    cache_features,
     last_logits,
     layer0_features,
     prefill,
@@ -155,6 +156,12 @@ class Batch:
     # (per target layer), computed once per sample (Distiller.with_frozen_outputs).
     frozen_keys: Optional[List[mx.array]] = None
     frozen_values: Optional[List[mx.array]] = None
+    # The target's own K/V (content space, per target layer, [B, n, width]) of the
+    # translated positions, read off the teacher's prefill when asked for: a stage-1
+    # fit on the store's samples needs no prefill of its own (train.store_fit_features).
+    # Never stored.
+    native_keys: Optional[List[mx.array]] = None
+    native_values: Optional[List[mx.array]] = None
 
     @property
     def tokens(self) -> int:
@@ -180,16 +187,18 @@ class Batch:
         return replace(self, teacher=top, teacher_idx=idx.astype(mx.int32))
 
 
-def make_batch(source, target, translator: Translator, context, continuation) -> Batch:
+def make_batch(source, target, translator: Translator, context, continuation,
+               native: bool = False) -> Batch:
     """Teacher log-probs, source features and the target's native prefix for one batch
-    of (context [B, C], continuation [B, L]) token ids read alike by both models."""
+    of (context [B, C], continuation [B, L]) token ids read alike by both models
+    (``native``: see :func:`make_batch_from_features`)."""
     n = context.shape[1] - 1  # positions in the translated cache
     k = min(translator.spec.native_prefix, n)
     src_k, src_v, _ = token_features(source, context[:, :-1], translator.source_layers)
     src_k = [x[:, k:] if x is not None else None for x in src_k]
     src_v = [x[:, k:] if x is not None else None for x in src_v]
     prefix = native_prefix_kv(target, context, k)
-    return make_batch_from_features(target, src_k, src_v, prefix, k, context, continuation)
+    return make_batch_from_features(target, src_k, src_v, prefix, k, context, continuation, native)
 
 
 def native_prefix_kv(target, context, k: int):
@@ -199,16 +208,38 @@ def native_prefix_kv(target, context, k: int):
     return [read_layer(c)[:2] for c in prefill(target, context[:, :k])]
 
 
-def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, continuation):
+def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, continuation,
+                             native: bool = False):
     """Add the teacher (the target on its own cache of ``context[:, :-1]``) to source
-    features already cut to the translated positions n_native..C-2."""
+    features already cut to the translated positions n_native..C-2. ``native``: keep
+    the target's own K/V of those positions too (from the same prefill)."""
     inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
     teacher_cache = prefill(target, context[:, :-1])
+    native_kv = (None, None)
+    if native:  # read before the continuation's pass moves the sliding windows
+        native_kv = _cut_features(cache_features(target, teacher_cache), n_native)
+        mx.eval(native_kv)
     logits = target(inputs, cache=teacher_cache).astype(mx.float32)
     teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native)
+    batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native,
+                  native_keys=native_kv[0], native_values=native_kv[1])
     mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)
     return batch
+
+
+def _cut_features(features, start: int):
+    """(keys, values) of cache_features' output from position ``start`` on."""
+    keys, values, _ = features
+    return [k[:, start:] for k in keys], [v[:, start:] for v in values]
+
+
+def with_native_features(target, batch: Batch) -> Batch:
+    """``batch`` with the target's own K/V of its translated positions, from a fresh
+    prefill of its context (for a batch read back from a store, which keeps none)."""
+    cache = prefill(target, batch.context[:, :-1])
+    keys, values = _cut_features(cache_features(target, cache), batch.n_native)
+    mx.eval(keys, values)
+    return replace(batch, native_keys=keys, native_values=values)
 
 
 def translated_cache(target, maps, batch: Batch):

@@ -62,10 +62,11 @@ class SharedTokens:
         return config.distill.accumulate
 
     def step_batches(self, source, target, translator, config, step: int,
-                     group=None) -> List[Batch]:
-        """The step's micro-batches; with ``group``, this rank's share of them."""
+                     group=None, native: bool = False) -> List[Batch]:
+        """The step's micro-batches; with ``group``, this rank's share of them.
+        ``native``: with the target's own K/V of the translated positions."""
         return [
-            make_batch(source, target, translator, c, n)
+            make_batch(source, target, translator, c, n, native)
             for c, n in distributed.share(self.step_samples(config, step), group)
         ]
 
@@ -129,16 +130,17 @@ class AlignedText:
         return config.distill.accumulate * config.distill.batch_size
 
     def step_batches(self, source, target, translator, config, step: int,
-                     group=None) -> List[Batch]:
+                     group=None, native: bool = False) -> List[Batch]:
         """The step's micro-batches (one sample each); with ``group``, this rank's
-        share (every sample is drawn, so the rng stays in step with one process)."""
+        share (every sample is drawn, so the rng stays in step with one process).
+        ``native``: with the target's own K/V of the translated positions."""
         d = config.distill
         rng = _step_rng(d.seed, step)
         samples = []
         for _ in range(self.micro_batches(config)):
             c = rng.choice(list(config.context_lengths))
             samples.append(self.sample(self.train_text, c, config.continuation_len, rng))
-        return [make_aligned_batch(source, target, translator, s)
+        return [make_aligned_batch(source, target, translator, s, native)
                 for s in distributed.share(samples, group)]
 
     def heldout(self, context_len: int, continuation_len: int, count: int):
@@ -174,7 +176,8 @@ class AlignedText:
             yield (*item, [w[:, :, keep] for w in weights]) if attention else item
 
 
-def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
+def make_aligned_batch(source, target, translator, s: AlignedSample,
+                       native: bool = False) -> Batch:
     """A distillation Batch (B = 1) from an aligned sample. Native positions must form
     a prefix (true for plain text: BOS and the attention sink)."""
     a = s.alignment.with_native_prefix(translator.spec.native_prefix)
@@ -188,4 +191,5 @@ def make_aligned_batch(source, target, translator, s: AlignedSample) -> Batch:
     src_k = [x[:, rows] if x is not None else None for x in src_k]
     src_v = [x[:, rows] if x is not None else None for x in src_v]
     prefix = native_prefix_kv(target, context, k)
-    return make_batch_from_features(target, src_k, src_v, prefix, k, context, mx.array(s.continuation)[None])
+    return make_batch_from_features(target, src_k, src_v, prefix, k, context,
+                                    mx.array(s.continuation)[None], native)

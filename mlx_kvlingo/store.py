@@ -11,7 +11,9 @@ on the translated cache.
 Layout (a directory): ``manifest.json`` says what the shards were built for
 (models, source layers, native prefix, sampling settings, corpus, dtype, teacher
 top-k); ``step-NNNNN.safetensors`` holds the micro-batches of one pool step.
-A store built for anything else is refused by name and rebuilt; a damaged shard is
+A store built for anything else is refused by name and rebuilt; one built with
+more source layers than a run reads serves it (a stage-1 fit on the store's samples
+builds it with every source layer before the layers are chosen). A damaged shard is
 reported and recomputed. Shards are written atomically, so an interrupted run
 leaves only whole shards.
 
@@ -66,6 +68,8 @@ class FeatureStore:
         self.log = log
         self.key = dict(key, version=STORE_VERSION, teacher_topk=teacher_topk,
                         dtype=str(dtype))
+        # Source layers the run reads; a store holding more is read without the rest.
+        self.layers = set(self.key.get("source_layers", ()))
         self._open()
 
     # -- the manifest ----------------------------------------------------------
@@ -77,7 +81,7 @@ class FeatureStore:
                 have = json.loads(manifest.read_text())["key"]
             except (ValueError, KeyError, OSError) as e:
                 have = {"unreadable": str(e)}
-            if have == self.key:
+            if have == self.key or self._serves(have):
                 return
             differs = sorted(k for k in set(have) | set(self.key) if have.get(k) != self.key.get(k))
             self.log(f"Feature store {self.root} was built for other settings "
@@ -87,6 +91,13 @@ class FeatureStore:
         tmp = manifest.with_name(".manifest.json.tmp")
         tmp.write_text(json.dumps({"key": self.key}, indent=1))
         os.replace(tmp, manifest)
+
+    def _serves(self, have: dict) -> bool:
+        """A store whose key differs only in holding more source layers."""
+        layers = "source_layers"
+        rest = lambda k: {n: v for n, v in k.items() if n != layers}  # noqa: E731
+        return (layers in have and rest(have) == rest(self.key)
+                and self.layers <= set(have[layers]))
 
     # -- which pool step a training step reads --------------------------------
 
@@ -147,23 +158,27 @@ class FeatureStore:
         try:
             arrays, info = mx.load(str(path), format="safetensors", return_metadata=True)
             meta = json.loads(info["batches"])
-            batches = [self._batch(arrays, f"mb{j}.", m) for j, m in enumerate(meta)]
+            batches = [self._batch(arrays, f"mb{j}.", m, self.layers) for j, m in enumerate(meta)]
         except Exception as e:  # any damage: unreadable header, missing tensor, bad JSON
             raise StoreError(f"Feature store shard {path} is damaged ({type(e).__name__}: {e})") from e
         mx.eval([(b.src_keys, b.src_values, b.teacher) for b in batches])
         return batches
 
     @staticmethod
-    def _batch(arrays: dict, p: str, m: dict) -> Batch:
+    def _batch(arrays: dict, p: str, m: dict, keep=None) -> Batch:
         def layers(name, n):
             return [arrays.get(f"{p}{name}.{i}") for i in range(n)]
+
+        def source(name):  # None for a layer the run does not read
+            xs = layers(name, m["source_layers"])
+            return [x if not keep or i in keep else None for i, x in enumerate(xs)]
 
         f32 = lambda xs: [x.astype(mx.float32) if x is not None else None for x in xs]  # noqa: E731
         prefix = list(zip(layers("prefix_k", m["prefix_layers"]),
                           layers("prefix_v", m["prefix_layers"])))
         return Batch(
-            src_keys=f32(layers("src_k", m["source_layers"])),
-            src_values=f32(layers("src_v", m["source_layers"])),
+            src_keys=f32(source("src_k")),
+            src_values=f32(source("src_v")),
             prefix=prefix,
             context=arrays[p + "context"],
             continuation=arrays[p + "continuation"],

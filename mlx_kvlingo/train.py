@@ -118,6 +118,70 @@ def probe_step_cost(source, target, translator, pair_data, config: RunConfig):
     return t1 - t0, time.perf_counter() - t1
 
 
+def open_store(source, target, translator, pair_data, out: Path, config: RunConfig,
+               corpus_id: str = "", group=None, progress=None):
+    """The feature store of a run writing ``out`` (``OUT.store/``), keyed on what its
+    shards depend on; ``translator`` gives the source layers it keeps."""
+    from .store import FeatureStore, corpus_digest, store_key
+
+    key = store_key(source, target, translator, config,
+                    f"{corpus_id}:{corpus_digest(pair_data)}")
+    store_dir = _paths(out)["store"]
+    if group is not None:  # each rank keeps its own share of every pool step
+        part = f"rank{group.rank()}of{group.size()}"
+        key["part"] = part
+        store_dir = store_dir.with_name(f"{store_dir.name}-{part}")
+    return FeatureStore(store_dir, key, config.store_pool, config.distill.teacher_topk,
+                        log=lambda m: progress and progress({"message": m}))
+
+
+@dataclass
+class EveryLayer:
+    """A translator as sampling and the store see it, reading every source layer:
+    the store of a stage-1 fit that has yet to choose them."""
+
+    spec: TranslatorSpec
+
+    @property
+    def source_layers(self):
+        return list(range(self.spec.source.cache_geometry.n_layers))
+
+
+def store_fit_features(source, target, translator, pair_data, out: Path, config: RunConfig,
+                       positions: int, corpus_id: str = "", progress=None):
+    """Build the whole store of a run writing ``out`` (every source layer), and yield
+    (source K, source V, target K, target V) of its first ``positions`` translated
+    positions, for a stage-1 fit (fit.fit_selected).
+
+    Stage 1 and stage 2 both prefill source and target over their samples; here the
+    fit reads the target's K/V off the teacher's prefill of stage 2's pool, so the
+    recipe runs those passes once. Shards already on disk (a rerun) are read back,
+    and the target's K/V recomputed for those the fit needs.
+    """
+    from .distill import with_native_features
+
+    view = EveryLayer(translator.spec)
+    store = open_store(source, target, view, pair_data, out, config, corpus_id,
+                       progress=progress)
+    taken = 0
+    for v in range(store.pool):
+        computed = []
+
+        def compute(v):
+            computed.extend(pair_data.step_batches(source, target, view, config, v,
+                                                   native=taken < positions))
+            return computed
+
+        batches = store.get(v, compute)
+        if progress and ((v + 1) % 8 == 0 or v + 1 == store.pool):
+            progress({"message": f"feature store: {v + 1}/{store.pool} pool steps"})
+        if taken >= positions:
+            continue
+        for b in computed or [with_native_features(target, b) for b in batches]:
+            yield b.src_keys, b.src_values, b.native_keys, b.native_values
+            taken += b.native_keys[0].shape[0] * b.native_keys[0].shape[1]
+
+
 def _paths(out: Path):
     out = Path(out)
     return {
@@ -220,18 +284,8 @@ def train(
 
     store = None
     if config.store_pool:
-        from .store import FeatureStore, corpus_digest, store_key
-
-        key = store_key(source, target, distiller.base, config,
-                        f"{corpus_id}:{corpus_digest(pair_data)}")
-        store_dir = paths["store"]
-        if group is not None:  # each rank keeps its own share of every pool step
-            part = f"rank{group.rank()}of{group.size()}"
-            key["part"] = part
-            store_dir = store_dir.with_name(f"{store_dir.name}-{part}")
-        store = FeatureStore(store_dir, key, config.store_pool,
-                             config.distill.teacher_topk,
-                             log=lambda m: progress and progress({"message": m}))
+        store = open_store(source, target, distiller.base, pair_data, out, config,
+                           corpus_id, group, progress)
 
     frozen = {}  # pool step -> the frozen maps' outputs on its samples (rank > 0)
 

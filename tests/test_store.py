@@ -8,6 +8,7 @@ import pytest
 
 from mlx_kvlingo import data
 from mlx_kvlingo.distill import (
+    Batch,
     DistillConfig,
     Distiller,
     RmsScaledAdamW,
@@ -271,3 +272,143 @@ def test_probe_measures_a_step_without_training(pair, rank, pool):
     assert prepare_s > 0 and update_s > 0
     assert all(np.array_equal(a, np.array(m.weight)) for a, m in zip(before, t.k_maps + t.v_maps))
     assert "k_maps" in dict(t.trainable_parameters())  # still trainable afterwards
+
+
+# ---------------------------------------------------------------------------
+# Stage 1 fitted on the store's samples (one pass over them for both stages)
+
+
+def test_native_features_are_the_targets_own_prefill(pair):
+    """The target K/V a batch keeps for a stage-1 fit (read off the teacher's
+    prefill, before the continuation moves the sliding windows) equal a fresh
+    prefill's, and with_native_features (for stored batches) gives the same."""
+    from mlx_kvlingo.distill import with_native_features
+    from mlx_kvlingo.models import token_features
+
+    src, tgt, t, stream = pair
+    assert any(g.window for g in t.spec.target.cache_geometry.layers)  # a sliding layer
+    w = mx.array([stream[100:130], stream[700:730]])
+    b = make_batch(src, tgt, t, w[:, :24], w[:, 24:], native=True)
+    assert make_batch(src, tgt, t, w[:, :24], w[:, 24:]).native_keys is None
+    keys, values, _ = token_features(tgt, w[:, :23])
+    k = b.n_native
+    again = with_native_features(tgt, b)
+    for mine, again_, direct in ((b.native_keys, again.native_keys, keys),
+                                 (b.native_values, again.native_values, values)):
+        assert len(mine) == len(direct) and mine[0].shape[1] == 23 - k
+        for x, y, z in zip(mine, again_, direct):
+            np.testing.assert_allclose(np.array(x), np.array(z[:, k:]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.array(y), np.array(z[:, k:]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_store_with_more_source_layers_serves_a_run(tmp_path):
+    batch = Batch(src_keys=[mx.ones((1, 3, 2)) * i for i in range(3)],
+                  src_values=[mx.ones((1, 3, 2)) * -i for i in range(3)], prefix=[],
+                  context=mx.zeros((1, 5), mx.int32), continuation=mx.zeros((1, 2), mx.int32),
+                  teacher=mx.zeros((1, 2, 4)), n_native=1)
+    built = []
+    compute = lambda v: built.append(v) or [batch]  # noqa: E731
+    root = tmp_path / "s"
+    FeatureStore(root, {"a": 1, "source_layers": [0, 1, 2]}, pool=1, log=print).get(0, compute)
+    narrow = FeatureStore(root, {"a": 1, "source_layers": [0, 2]}, pool=1, log=print)
+    got = narrow.get(0, compute)[0]
+    assert built == [0]  # read, not rebuilt
+    assert got.src_keys[1] is None and got.src_values[1] is None
+    assert float(got.src_keys[2][0, 0, 0]) == 2 and float(got.src_values[2][0, 0, 0]) == -2
+    messages = []
+    FeatureStore(root, {"a": 2, "source_layers": [0]}, pool=1, log=messages.append)
+    FeatureStore(root, {"a": 2, "source_layers": [0, 3]}, pool=1, log=messages.append)
+    assert "(a, source_layers differ)" in messages[0]
+    assert "(source_layers differ)" in messages[1]
+    assert not list(root.glob("step-*"))  # both rebuilt from nothing
+
+
+def test_stage1_from_the_store_equals_a_fit_on_its_samples(pair, tmp_path, monkeypatch):
+    """store_fit_features builds the whole pool, gives the fit exactly the pool's
+    samples (source features of every layer, target K/V of the translated
+    positions), and stage 2 then reads the store instead of sampling again."""
+    from mlx_kvlingo.fit import fit_features
+    from mlx_kvlingo.models import token_features
+    from mlx_kvlingo.train import store_fit_features
+
+    src, tgt, t, stream = pair
+    d = DistillConfig(steps=4, lr=1e-3, batch_size=2, accumulate=1, seed=5, teacher_topk=8)
+    cfg = RunConfig(d, context_lengths=(12, 16), continuation_len=6, eval_every=0,
+                    checkpoint_every=2, store_pool=3)
+    data_ = SharedTokens(stream[:2000], stream[2000:])
+    out = tmp_path / "t.safetensors"
+
+    def direct():  # the pool's samples, prefilled here
+        for v in range(3):
+            for context, _ in data_.step_samples(cfg, v):
+                sk, sv, _ = token_features(src, context[:, :-1])
+                tk, tv, _ = token_features(tgt, context[:, :-1])
+                k = t.spec.native_prefix
+                yield [x[:, k:] for x in sk], [x[:, k:] for x in sv], \
+                      [x[:, k:] for x in tk], [x[:, k:] for x in tv]
+
+    a, b = Translator(t.spec), Translator(t.spec)
+    fit_features(a, store_fit_features(src, tgt, a, data_, out, cfg, positions=10**6))
+    fit_features(b, direct())
+    shards = sorted((tmp_path / "t.safetensors.store").glob("step-*"))
+    assert len(shards) == 3
+    for x, y in zip(a.k_maps + a.v_maps, b.k_maps + b.v_maps):
+        np.testing.assert_allclose(np.array(x.weight), np.array(y.weight), rtol=1e-4, atol=1e-6)
+    lengths = [c.shape[1] - 1 - t.spec.native_prefix
+               for v in range(3) for c, _ in data_.step_samples(cfg, v)]
+    assert a.spec.training["fit"]["tokens"] == 2 * sum(lengths)  # every sample, once
+
+    # A rerun reads the shards back (the target's K/V recomputed): the same fit, up
+    # to the store's float16 source features.
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    c = Translator(t.spec)
+    fit_features(c, store_fit_features(src, tgt, c, data_, out, cfg, positions=10**6))
+    assert c.spec.training["fit"]["tokens"] == a.spec.training["fit"]["tokens"]
+    for x, y in zip(a.k_maps + a.v_maps, c.k_maps + c.v_maps):
+        x, y = np.array(x.weight), np.array(y.weight)
+        assert np.linalg.norm(x - y) < 5e-3 * np.linalg.norm(y)
+
+    # Stage 2 on the narrower translator trains from the store without sampling.
+    monkeypatch.setattr(SharedTokens, "step_batches", _no_sampling)
+    summary = train(src, tgt, a, data_, out, cfg)
+    assert summary["steps"] == 4
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+
+
+def _no_sampling(*args, **kwargs):
+    raise AssertionError("stage 2 sampled a step the store holds")
+
+
+def test_train_both_stages_makes_one_pass_over_the_pool(toy_pair_dirs, tmp_path):
+    """`train --stage both --store-pool N`: stage 1 fits on the store it builds, and
+    stage 2 trains on it without a store of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(m.__doc__ for m in (json, os, subprocess, pytest)) * 3)
+    out = tmp_path / "t.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvlingo_cli.main", "train", "--source", toy_pair_dirs[0],
+         "--target", toy_pair_dirs[1], "--out", str(out), "--corpus", str(corpus),
+         "--select-layers", "1,2", "--fit-tokens", "100000", "--steps", "4",
+         "--store-pool", "3", "--context-lengths", "32,48", "--continuation-len", "16",
+         "--batch-size", "2", "--accumulate", "1", "--eval-every", "0", "--checkpoint-every", "2",
+         "--rank", "2"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Stage 1 fits on stage 2's feature store (3 pool steps)" in proc.stdout
+    assert "feature store: 3/3 pool steps" in proc.stdout
+    assert "Done: 4 steps" in proc.stdout
+    store = tmp_path / "t.safetensors.store"
+    assert len(list(store.glob("step-*"))) == 3
+    n_source = len(json.loads((store / "manifest.json").read_text())["key"]["source_layers"])
+    t = load_translator(out)
+    assert n_source == t.spec.source.cache_geometry.n_layers  # every layer, for the choice
+    assert (tmp_path / "t.stage1-top1.safetensors").exists()
+    assert (tmp_path / "t.stage1-top2.safetensors").exists()
+    # 3 pool steps of 2 sequences, fewer positions than --fit-tokens asked: all of them.
+    s1 = load_translator(tmp_path / "t.stage1-top2.safetensors").spec.training["fit"]
+    assert 6 * (32 - 2) <= s1["tokens"] <= 6 * (48 - 2)
