@@ -401,7 +401,8 @@ def train(
     context_lengths: str = typer.Option("128,256", help="Context-length buckets, comma-separated."),
     continuation_len: int = typer.Option(64),
     eval_every: int = typer.Option(50),
-    checkpoint_every: int = typer.Option(50),
+    checkpoint_every: int = typer.Option(
+        50, help="Steps between checkpoints (0: only at the end and when stopped)."),
     seed: int = typer.Option(0),
     store_pool: int = typer.Option(
         0, help="Stage 2: cache the frozen source/teacher passes of this many steps on "

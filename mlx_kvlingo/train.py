@@ -363,7 +363,7 @@ def train(
                     # the collective must not be lost; the next step agrees on it.
                     stop_now = distributed.any_rank(stop.requested, group)
             watchdog.disarm()
-            if done % config.checkpoint_every == 0 or stop_now:
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or stop_now:
                 log.flush()
                 if writer:
                     _save_all(paths, distiller, config)
