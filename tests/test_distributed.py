@@ -356,8 +356,10 @@ def test_rank_shares_partition_one_process_samples(monkeypatch, size):
     config = RunConfig(DistillConfig(batch_size=2, accumulate=5, seed=4),
                        context_lengths=(8, 12), continuation_len=4)
     ranks = [_Rank(r, size) for r in range(size)]
-    monkeypatch.setattr(samples, "make_batch", lambda s, t, tr, c, n: (c.tolist(), n.tolist()))
-    monkeypatch.setattr(samples, "make_aligned_batch", lambda s, t, tr, x: x.alignment.target_tokens)
+    monkeypatch.setattr(samples, "make_batch",
+                        lambda s, t, tr, c, n, native=False: (c.tolist(), n.tolist()))
+    monkeypatch.setattr(samples, "make_aligned_batch",
+                        lambda s, t, tr, x, native=False: x.alignment.target_tokens)
     shared = SharedTokens(list(range(500)), list(range(500)))
     whole = shared.step_batches(None, None, None, config, 7)
     assert _interleave([shared.step_batches(None, None, None, config, 7, g) for g in ranks]) == whole
