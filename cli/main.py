@@ -288,7 +288,7 @@ def _duration(text: str) -> float:
     return h * 3600 + m * 60 + sec
 
 
-def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config) -> int:
+def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config, built=0) -> int:
     from mlx_kvlingo.train import plan_steps, probe_step_cost
 
     prepare_s, update_s = probe_step_cost(src, tgt, translator, pair, config)
@@ -298,7 +298,7 @@ def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config) -> int:
     eval_s = evals * config.eval_windows * (prepare_s + update_s) / max(
         config.distill.batch_size * config.distill.accumulate, 1)
     steps = plan_steps(budget_s, spent_s + prepare_s + update_s, prepare_s, 1.1 * update_s,
-                       config.store_pool, eval_s)
+                       config.store_pool, eval_s, built)
     if config.store_pool:
         steps = max(steps, 1)
     typer.echo(f"Budget {budget_s / 60:.0f} min: {spent_s / 60:.1f} min spent; a step's frozen "
@@ -465,8 +465,8 @@ def train(
             pair = _pair_data(corpus, src_tok, tgt_tok)
             _check_same_data(src, tgt, pair, group)
         translator = None
+        from_store = None  # set when stage 1 builds stage 2's store
         if stage in ("1", "both") and not resume:
-            from_store = None
             if stage == "both" and store_pool and group is None:
                 # One pass over the pool's samples serves both stages (the fit reads
                 # the target's K/V off the teacher's prefill): the recipe's longest part.
@@ -507,7 +507,8 @@ def train(
             config.distill.steps = distributed.broadcast_json(steps_, group)
         elif budget_s:
             steps_ = _budget_steps(budget_s, time.perf_counter() - t_start,
-                                   src, tgt, translator, pair, config)
+                                   src, tgt, translator, pair, config,
+                                   built=config.store_pool if from_store else 0)
             config.distill.steps = distributed.broadcast_json(steps_, group)  # rank 0's plan
         steps_ = config.distill.steps
         typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"

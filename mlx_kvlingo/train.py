@@ -79,15 +79,17 @@ class StopRequested:
 
 
 def plan_steps(budget_s: float, spent_s: float, prepare_s: float, update_s: float,
-               pool: int, eval_s: float = 0.0) -> int:
+               pool: int, eval_s: float = 0.0, built: int = 0) -> int:
     """Optimizer steps that fit what is left of a time budget.
 
     A stored run pays ``prepare_s`` (the frozen passes) once per pool step, then
     ``update_s`` per step; a run without a store (``pool`` 0) pays both every step.
+    ``built``: pool steps already on disk (a stage 1 that built the store), which
+    cost only their reading from here on.
     """
     left = budget_s - spent_s - eval_s
     if pool:
-        left -= pool * prepare_s
+        left -= max(pool - built, 0) * prepare_s
         steps = left / update_s
     else:
         steps = left / (prepare_s + update_s)

@@ -229,6 +229,9 @@ def test_budget_plans_steps_from_measured_costs():
 
     # Stored: the pool's frozen passes once, then updates only.
     assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=60) == (3600 - 600 - 600) // 2
+    # The store already built (by stage 1): updates only.
+    assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=60, built=60) == 3000 // 2
+    assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=60, built=20) == 2600 // 2
     # Fresh samples: both costs every step.
     assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=0) == 3000 // 12
     with pytest.raises(KvlingoError, match="budget"):
