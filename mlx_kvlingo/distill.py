@@ -215,10 +215,8 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     the target's own K/V of those positions too (from the same prefill)."""
     inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
     teacher_cache = prefill(target, context[:, :-1])
-    native_kv = (None, None)
-    if native:  # read before the continuation's pass moves the sliding windows
-        native_kv = _cut_features(cache_features(target, teacher_cache), n_native)
-        mx.eval(native_kv)
+    # Read before the continuation's pass moves the sliding windows.
+    native_kv = _native_kv(target, teacher_cache, n_native) if native else (None, None)
     logits = target(inputs, cache=teacher_cache).astype(mx.float32)
     teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native,
@@ -227,18 +225,19 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     return batch
 
 
-def _cut_features(features, start: int):
-    """(keys, values) of cache_features' output from position ``start`` on."""
-    keys, values, _ = features
-    return [k[:, start:] for k in keys], [v[:, start:] for v in values]
+def _native_kv(target, cache, start: int):
+    """The target's own (keys, values) in content space, per layer, of a one-pass
+    prefill ``cache`` from position ``start`` on, evaluated."""
+    keys, values, _ = cache_features(target, cache)
+    keys, values = [k[:, start:] for k in keys], [v[:, start:] for v in values]
+    mx.eval(keys, values)
+    return keys, values
 
 
 def with_native_features(target, batch: Batch) -> Batch:
     """``batch`` with the target's own K/V of its translated positions, from a fresh
     prefill of its context (for a batch read back from a store, which keeps none)."""
-    cache = prefill(target, batch.context[:, :-1])
-    keys, values = _cut_features(cache_features(target, cache), batch.n_native)
-    mx.eval(keys, values)
+    keys, values = _native_kv(target, prefill(target, batch.context[:, :-1]), batch.n_native)
     return replace(batch, native_keys=keys, native_values=values)
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from . import distributed
-from .distill import DistillConfig, Distiller
+from .distill import DistillConfig, Distiller, with_native_features
 from .errors import KvlingoError
 from .evaluate import Fidelity, evaluate_pair
 from .translator import Translator, TranslatorSpec
@@ -160,8 +160,6 @@ def store_fit_features(source, target, translator, pair_data, out: Path, config:
     recipe runs those passes once. Shards already on disk (a rerun) are read back,
     and the target's K/V recomputed for those the fit needs.
     """
-    from .distill import with_native_features
-
     view = EveryLayer(translator.spec)
     store = open_store(source, target, view, pair_data, out, config, corpus_id,
                        progress=progress)
