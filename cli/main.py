@@ -24,8 +24,9 @@ app = typer.Typer(
 )
 
 
-CORPUS_HELP = ("'stdlib' (built in, offline), a .txt/.jsonl file or directory, "
-               "or hf:OWNER/NAME (a hub dataset).")
+CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .txt/.jsonl "
+               "file or directory, or hf:OWNER/NAME (a hub dataset); mix with + "
+               "(stdlib*2+austen: docstrings weighed twice).")
 
 
 # ---------------------------------------------------------------------------

@@ -98,13 +98,17 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     novels, from Debian's registry; see prose.py), a ``.txt`` / ``.jsonl`` file, a
     directory of them, or ``hf:OWNER/NAME`` (a dataset repo on the hub, fetched
     with huggingface-hub into its cache; honours ``HF_HUB_OFFLINE``). Join several
-    with ``+`` for a mix (``stdlib+austen``).
+    with ``+`` for a mix (``stdlib+austen``); a mix samples its text by characters, so
+    ``stdlib*2+austen`` weighs the docstrings twice (a part ``NAME*N`` is read N times).
 
     ``.jsonl`` lines hold ``{"text": ...}`` or ``{"messages": [{"role", "content"}]}``;
     chat messages are rendered with ``tokenizer``'s chat template when it has one.
     """
     if "+" in spec:  # a mix: stdlib+austen+my.txt
         return [d for part in spec.split("+") for d in read_corpus(part, tokenizer)]
+    name, times = _weighted_part(spec)
+    if times != 1:  # stdlib*2: the same documents twice (one split: same names)
+        return read_corpus(name, tokenizer) * times
     if spec == "stdlib":
         return stdlib_documents()
     if spec == "austen":
@@ -124,6 +128,19 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     raise KvlingoError(
         f"Corpus {spec!r} is not 'stdlib', 'austen', an existing file or directory, or hf:OWNER/NAME."
     )
+
+
+def _weighted_part(spec: str) -> Tuple[str, int]:
+    """``NAME*N`` -> (NAME, N); anything else -> (spec, 1)."""
+    name, star, times = spec.rpartition("*")
+    if not star:
+        return spec, 1
+    if not (times.isdigit() and int(times) >= 1 and name):
+        raise KvlingoError(
+            f"Corpus part {spec!r}: a weight is written NAME*N with N a whole number >= 1 "
+            "(stdlib*2+austen)."
+        )
+    return name, int(times)
 
 
 def _hub_dataset_files(repo_id: str) -> List[Path]:

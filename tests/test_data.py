@@ -55,6 +55,20 @@ def test_directory_of_files(tmp_path):
     assert texts == ["alpha text", "beta"]
 
 
+def test_mix_weights_repeat_a_part(tmp_path):
+    (tmp_path / "code.txt").write_text("def f(): pass")
+    (tmp_path / "prose.txt").write_text("It was a fine day.")
+    code, prose = str(tmp_path / "code.txt"), str(tmp_path / "prose.txt")
+    mix = data.read_corpus(f"{code}*3+{prose}")
+    assert [t for _, t in mix] == ["def f(): pass"] * 3 + ["It was a fine day."]
+    # The copies share one name, so they land on the same side of the split.
+    train, held = data.split_documents(mix)
+    assert len({n for n, _ in train} & {n for n, _ in held}) == 0
+    for bad in (f"{code}*0", f"{code}*x", "*2", f"{code}*1.5"):
+        with pytest.raises(KvlingoError, match="NAME\\*N"):
+            data.read_corpus(bad)
+
+
 @pytest.mark.parametrize(
     "name, content, message",
     [
