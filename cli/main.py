@@ -399,6 +399,10 @@ def train(
     batch_size: int = typer.Option(4, help="Sequences per micro-batch."),
     accumulate: int = typer.Option(2, help="Micro-batches per optimizer step."),
     rank: int = typer.Option(0, help="0: train the full maps; >0: frozen maps + low-rank correction."),
+    layer_ranks: str = typer.Option(
+        "", help="With --rank > 0: target layers whose correction has a rank of its own, "
+        "LAYER:RANK pairs (5:64,11:64,17:64; benchmarks/cache_oracle.py finds the layers "
+        "that hold the loss)."),
     context_lengths: str = typer.Option("128,256", help="Context-length buckets, comma-separated."),
     continuation_len: int = typer.Option(64),
     eval_every: int = typer.Option(50),
@@ -436,7 +440,7 @@ def train(
     Under `mlx.launch -n N` it trains data-parallel on N processes (README,
     "Training on several machines"); rank 0 prints and writes every file."""
     from mlx_kvlingo import distributed
-    from mlx_kvlingo.distill import DistillConfig
+    from mlx_kvlingo.distill import DistillConfig, parse_layer_ranks
     from mlx_kvlingo.train import RunConfig
     from mlx_kvlingo.train import train as run_training
 
@@ -450,10 +454,16 @@ def train(
         _warn_if_slow_blas()
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
+        if layer_ranks:  # the format before any work; the layers once the target is known
+            parse_layer_ranks(layer_ranks)
+            if not rank:
+                raise KvlingoError("--layer-ranks sets ranks of a low-rank correction: "
+                                   "give --rank > 0 for the other layers.")
         config = RunConfig(
             DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
-                          accumulate=accumulate, rank=rank, seed=seed, lr_scale=lr_scale,
-                          native_tail=native_tail, teacher_topk=teacher_topk),
+                          accumulate=accumulate, rank=rank, layer_ranks=layer_ranks,
+                          seed=seed, lr_scale=lr_scale, native_tail=native_tail,
+                          teacher_topk=teacher_topk),
             context_lengths=tuple(_int_list(context_lengths)),
             continuation_len=continuation_len,
             eval_every=eval_every,

@@ -11,7 +11,9 @@ Two ways to train (``rank``):
 - ``rank == 0``: every map entry is trained (start from the stage-1 fit);
 - ``rank > 0``: the stage-1 maps stay frozen and a low-rank correction B·A is
   trained on top (B starts at zero); it is merged into the maps on save, so the
-  translator file format does not change.
+  translator file format does not change. ``layer_ranks`` gives some target layers
+  a rank of their own (``"5:64,11:64,17:64"``): where the loss sits, the oracle
+  swaps of benchmarks/cache_oracle.py say (a few layers hold most of it).
 """
 
 import math
@@ -35,6 +37,7 @@ from .models import (
     read_layer,
     token_features,
 )
+from .errors import KvlingoError
 from .translator import Translator
 
 
@@ -48,6 +51,8 @@ class DistillConfig:
     batch_size: int = 4  # sequences per micro-batch
     accumulate: int = 2  # micro-batches per optimizer step
     rank: int = 0  # 0: train full maps; >0: frozen maps + low-rank correction
+    # With rank > 0: "LAYER:RANK,..." target layers whose correction has a rank of its own.
+    layer_ranks: str = ""
     seed: int = 0
     # "rms": each map's step is scaled by its starting RMS, so lr is a relative rate
     # (value maps are ~50x smaller than key maps; one absolute rate moves them far
@@ -74,18 +79,20 @@ class DistillConfig:
 class LowRankMaps(nn.Module):
     """Frozen maps plus a trainable low-rank correction per map: W + B A."""
 
-    def __init__(self, translator: Translator, rank: int, seed: int = 0):
+    def __init__(self, translator: Translator, rank: int, seed: int = 0,
+                 layer_ranks: Optional[dict] = None):
         super().__init__()
         self.base = translator
         self.base.freeze()
         key = mx.random.key(seed)
         self.a_k, self.b_k, self.a_v, self.b_v = [], [], [], []
-        for km, vm in zip(translator.k_maps, translator.v_maps):
+        for i, (km, vm) in enumerate(zip(translator.k_maps, translator.v_maps)):
+            r = (layer_ranks or {}).get(i, rank)
             for a, b, m in ((self.a_k, self.b_k, km), (self.a_v, self.b_v, vm)):
                 out_dim, in_dim = m.weight.shape
                 key, sub = mx.random.split(key)
-                a.append(mx.random.normal((rank, in_dim), key=sub) / math.sqrt(in_dim))
-                b.append(mx.zeros((out_dim, rank)))
+                a.append(mx.random.normal((r, in_dim), key=sub) / math.sqrt(in_dim))
+                b.append(mx.zeros((out_dim, r)))
 
     def __call__(self, keys, values, frozen=None):
         """``frozen``: the frozen maps' outputs on these inputs (per target layer, K
@@ -111,6 +118,23 @@ class LowRankMaps(nn.Module):
             t.v_maps[i].weight = self.base.v_maps[i].weight + self.b_v[i] @ self.a_v[i]
         mx.eval(t.parameters())
         return t
+
+
+def parse_layer_ranks(text: str, n_layers: Optional[int] = None) -> dict:
+    """``"5:64,11:64"`` -> {5: 64, 11: 64}; "" -> {}. ``n_layers``: the target's
+    layer count, to check the layers against."""
+    ranks = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        layer, colon, rank = part.partition(":")
+        if not (colon and layer.strip().isdigit() and rank.strip().isdigit()
+                and int(rank) >= 1):
+            raise KvlingoError(f"Layer ranks are LAYER:RANK pairs with RANK >= 1, "
+                               f"comma-separated (5:64,11:64), not {part!r}.")
+        if n_layers is not None and int(layer) >= n_layers:
+            raise KvlingoError(f"Layer ranks: the target has {n_layers} layers; "
+                               f"there is no layer {int(layer)}.")
+        ranks[int(layer)] = int(rank)
+    return ranks
 
 
 def _concat(xs):
@@ -327,7 +351,12 @@ class Distiller:
         self.group = group
         self.base = translator  # its spec says which source layers and prefix to use
         target.freeze()
-        self.maps = LowRankMaps(translator, config.rank, config.seed) if config.rank else translator
+        if config.layer_ranks and not config.rank:
+            raise KvlingoError("Layer ranks set the rank of a low-rank correction: they "
+                               "need a rank > 0 for the other layers.")
+        layer_ranks = parse_layer_ranks(config.layer_ranks, len(translator.spec.layer_map))
+        self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks)
+                     if config.rank else translator)
         if config.lr_scale not in ("none", "rms"):
             raise ValueError(f"lr_scale must be 'none' or 'rms', not {config.lr_scale!r}")
         # A low-rank correction starts at zero: there is no scale to keep.

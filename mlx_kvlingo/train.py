@@ -428,10 +428,13 @@ def _resume(paths, target, config: RunConfig, group=None) -> Distiller:
             f"(mlx.launch -n {ranks} ...{'' if ranks > 1 else ', or without mlx.launch'}): "
             "each process's share of the samples and its feature store depend on it."
         )
-    if info["config"] != config.to_dict():
+    saved = dict(info["config"])
+    # Settings added since the checkpoint was written take their defaults there.
+    saved["distill"] = {**asdict(DistillConfig()), **saved["distill"]}
+    if saved != config.to_dict():
         raise KvlingoError(
             "Cannot resume: the run's settings differ from the checkpoint's "
-            f"({info['config']} vs {config.to_dict()})."
+            f"({saved} vs {config.to_dict()})."
         )
     translator = Translator(TranslatorSpec.from_json(info["spec"]))
     translator.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("base.")])

@@ -151,6 +151,37 @@ def test_low_rank_correction_keeps_base_frozen_and_merges(tiny_pair):
     assert any(np.abs(np.array(b)).max() > 0 for b in distiller.maps.b_k)  # it learned
 
 
+def test_layer_ranks_give_chosen_layers_their_own_rank(tiny_pair):
+    from dataclasses import replace
+
+    from mlx_kvlingo.distill import parse_layer_ranks
+    from mlx_kvlingo.errors import KvlingoError
+
+    src, tgt, t, stream = tiny_pair
+    t = _fresh(t)
+    n = len(t.spec.layer_map)
+    distiller = Distiller(t, tgt, replace(_config(rank=2).distill, layer_ranks=f"{n - 1}:5"))
+    ranks = [a.shape[0] for a in distiller.maps.a_k]
+    assert ranks == [2] * (n - 1) + [5] and [b.shape[1] for b in distiller.maps.b_v] == ranks
+    for _ in range(2):
+        batches = [make_batch(src, tgt, t, c, m) for c, m in
+                   SharedTokens(stream, stream).step_samples(_config(), distiller.step)]
+        distiller.train_step(batches)
+    assert np.abs(np.array(distiller.maps.b_k[n - 1])).max() > 0  # the wide one learned
+    merged = distiller.translator()
+    expect = np.array(t.k_maps[n - 1].weight) + np.array(
+        distiller.maps.b_k[n - 1] @ distiller.maps.a_k[n - 1])
+    np.testing.assert_allclose(np.array(merged.k_maps[n - 1].weight), expect, rtol=1e-5, atol=1e-6)
+    assert parse_layer_ranks(" 5:64, 11:32 ") == {5: 64, 11: 32} and parse_layer_ranks("") == {}
+    for bad in ("5", "5:0", "a:4", "5:4:4"):
+        with pytest.raises(KvlingoError, match="LAYER:RANK"):
+            parse_layer_ranks(bad)
+    with pytest.raises(KvlingoError, match=f"has {n} layers"):
+        Distiller(_fresh(t), tgt, replace(_config(rank=2).distill, layer_ranks=f"{n}:4"))
+    with pytest.raises(KvlingoError, match="need a rank > 0"):
+        Distiller(_fresh(t), tgt, replace(_config(rank=0).distill, layer_ranks="0:4"))
+
+
 @pytest.mark.slow
 def test_distillation_lowers_heldout_kl_below_stage1(docstring_pair, tmp_path):
     """30 steps of the whole `train` path lower held-out KL and keep top-1. On the
