@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import distributed
+from .errors import KvlingoError
 from .models import (
     append_layer,
     build_cache,
@@ -37,7 +38,6 @@ from .models import (
     read_layer,
     token_features,
 )
-from .errors import KvlingoError
 from .translator import Translator
 
 
