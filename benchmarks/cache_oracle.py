@@ -110,11 +110,14 @@ def main():
                   "none": nll(prefill(tgt, context[:, : s.special_prefix])
                               if s.special_prefix else None)}
         source_cache = prefill(src, mx.array(a.source_tokens)[None])
+        # Read, never run on (scoring appends the continuation): one prefill serves
+        # every variant's swaps.
+        own_cache = prefill(tgt, context[:, :-1])
         for name, swaps in variants.items():
             cache = translate_aligned(src, tgt, tr, source_cache, None, a, n,
                                       native_tail=args.native_tail)
             if swaps:
-                swap_in(cache, prefill(tgt, context[:, :-1]), swaps, n)
+                swap_in(cache, own_cache, swaps, n)
             nll_of[name] = nll(cache)
         for t, c in enumerate(token_classes(a.target_tokens, s.continuation)):
             counts[c] += 1

@@ -454,11 +454,7 @@ def train(
         _warn_if_slow_blas()
         if stage not in ("1", "2", "both"):
             raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
-        if layer_ranks:  # the format before any work; the layers once the target is known
-            parse_layer_ranks(layer_ranks)
-            if not rank:
-                raise KvlingoError("--layer-ranks sets ranks of a low-rank correction: "
-                                   "give --rank > 0 for the other layers.")
+        parse_layer_ranks(layer_ranks, rank)  # before any work; the layers once the target is known
         config = RunConfig(
             DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
                           accumulate=accumulate, rank=rank, layer_ranks=layer_ranks,

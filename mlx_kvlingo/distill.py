@@ -120,9 +120,13 @@ class LowRankMaps(nn.Module):
         return t
 
 
-def parse_layer_ranks(text: str, n_layers: Optional[int] = None) -> dict:
-    """``"5:64,11:64"`` -> {5: 64, 11: 64}; "" -> {}. ``n_layers``: the target's
-    layer count, to check the layers against."""
+def parse_layer_ranks(text: str, rank: int, n_layers: Optional[int] = None) -> dict:
+    """``"5:64,11:64"`` -> {5: 64, 11: 64}; "" -> {}. ``rank``: the other layers'
+    (layer ranks need a low-rank correction); ``n_layers``: the target's layer
+    count, to check the layers against."""
+    if text and not rank:
+        raise KvlingoError("Layer ranks set ranks of a low-rank correction: they need a "
+                           "rank > 0 (--rank) for the other layers.")
     ranks = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         layer, colon, rank = part.partition(":")
@@ -351,10 +355,8 @@ class Distiller:
         self.group = group
         self.base = translator  # its spec says which source layers and prefix to use
         target.freeze()
-        if config.layer_ranks and not config.rank:
-            raise KvlingoError("Layer ranks set the rank of a low-rank correction: they "
-                               "need a rank > 0 for the other layers.")
-        layer_ranks = parse_layer_ranks(config.layer_ranks, len(translator.spec.layer_map))
+        layer_ranks = parse_layer_ranks(config.layer_ranks, config.rank,
+                                        len(translator.spec.layer_map))
         self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks)
                      if config.rank else translator)
         if config.lr_scale not in ("none", "rms"):

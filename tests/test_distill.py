@@ -172,10 +172,11 @@ def test_layer_ranks_give_chosen_layers_their_own_rank(tiny_pair):
     expect = np.array(t.k_maps[n - 1].weight) + np.array(
         distiller.maps.b_k[n - 1] @ distiller.maps.a_k[n - 1])
     np.testing.assert_allclose(np.array(merged.k_maps[n - 1].weight), expect, rtol=1e-5, atol=1e-6)
-    assert parse_layer_ranks(" 5:64, 11:32 ") == {5: 64, 11: 32} and parse_layer_ranks("") == {}
+    assert parse_layer_ranks(" 5:64, 11:32 ", 16) == {5: 64, 11: 32}
+    assert parse_layer_ranks("", 0) == {}
     for bad in ("5", "5:0", "a:4", "5:4:4"):
         with pytest.raises(KvlingoError, match="LAYER:RANK"):
-            parse_layer_ranks(bad)
+            parse_layer_ranks(bad, 16)
     with pytest.raises(KvlingoError, match=f"has {n} layers"):
         Distiller(_fresh(t), tgt, replace(_config(rank=2).distill, layer_ranks=f"{n}:4"))
     with pytest.raises(KvlingoError, match="need a rank > 0"):
