@@ -1,10 +1,15 @@
 """Copy trained SmolLM2 <-> Gemma 3 translators into the package, in float16, with their
 held-out evaluation (from benchmarks/fidelity.py's eval JSONs) in the metadata.
 
-    python benchmarks/ship_translators.py --work runs/r2 [--native-tail 16] [--bits 8]
+    python benchmarks/ship_translators.py --work runs/r2 [--native-tail 16] [--bits 8] [--pairs s2g]
 
 (``--bits 8``: maps quantized group-wise, about half of float16's size; they load back
-dequantized to float32.)
+dequantized to float32.) A work file that is already quantized to ``--bits`` is shipped
+with its tensors exactly as they are, only its metadata rewritten: quantizing the
+dequantized maps again would move them (float16 scales and biases round differently),
+and the metadata's evaluation must be that of the bytes that ship. So the way to ship
+what was measured is: save the candidate with ``--bits 8`` into the work directory,
+evaluate that file, then run this.
 """
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
@@ -16,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_kvlingo.shipped import ASSETS, SHIPPED
-from mlx_kvlingo.translator import load_translator
+from mlx_kvlingo.translator import METADATA_KEY, QUANT_KEY, load_translator
 
 KEYS = {("smollm2", "gemma3"): "s2g", ("gemma3", "smollm2"): "g2s"}
 
@@ -38,6 +43,19 @@ def summary(eval_json: Path, translator: Path) -> dict:
     return out
 
 
+def file_bits(path: Path):
+    """The bits a translator file's maps are quantized to (None: plain float)."""
+    _, metadata = mx.load(str(path), return_metadata=True)
+    return json.loads(metadata[QUANT_KEY])["bits"] if QUANT_KEY in metadata else None
+
+
+def rewrite_metadata(src: Path, out: Path, spec) -> None:
+    """Copy a translator file's tensors unchanged under a new spec (its metadata)."""
+    arrays, metadata = mx.load(str(src), return_metadata=True)
+    metadata[METADATA_KEY] = spec.to_json()
+    mx.save_safetensors(str(out), arrays, metadata)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
@@ -45,10 +63,17 @@ def main():
                     help="Default native tail stored in the shipped files.")
     ap.add_argument("--bits", type=int, choices=(4, 8), default=None,
                     help="Quantize the maps to this many bits (default: float16).")
+    ap.add_argument("--pairs", default="s2g,g2s",
+                    help="Which directions to ship (the others stay as they are).")
     args = ap.parse_args()
+    wanted = set(args.pairs.split(","))
+    if not wanted <= set(KEYS.values()):
+        ap.error(f"--pairs takes {sorted(KEYS.values())}, not {args.pairs!r}")
     ASSETS.mkdir(parents=True, exist_ok=True)
     for pair, name in SHIPPED.items():
         key = KEYS[pair]
+        if key not in wanted:
+            continue
         src = args.work / f"{key}.safetensors"
         t = load_translator(src)
         t.spec.training["eval"] = {
@@ -59,7 +84,10 @@ def main():
         if hasattr(t.spec, "native_tail"):
             t.spec.native_tail = args.native_tail
         out = ASSETS / name
-        t.save(out, dtype=mx.float16, bits=args.bits)
+        if args.bits is not None and file_bits(src) == args.bits:
+            rewrite_metadata(src, out, t.spec)
+        else:
+            t.save(out, dtype=mx.float16, bits=args.bits)
         print(f"{src} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")
 
 
