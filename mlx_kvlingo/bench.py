@@ -20,7 +20,6 @@ Only timing is measured here: a translator with random maps times exactly like a
 trained one of the same shape, and a model can be its own source.
 """
 
-import copy
 import json
 import os
 import platform
@@ -33,7 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models import apply_rope_tables, cache_geometry, prefill, rope_tables  # noqa: F401
+from .models import (apply_rope_tables, cache_geometry, copy_cache, prefill,  # noqa: F401
+                     rope_tables)
 from .translator import Translator
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
@@ -196,29 +196,18 @@ def _timed_prefill(target, tokens: mx.array):
     t0 = time.perf_counter()
     cache = _evaluated(prefill(target, tokens[None, :-1]))
     t1 = time.perf_counter()
-    saved = _copy_cache(cache)
+    saved = copy_cache(cache)
     t2 = time.perf_counter()
     first_step(target, SwitchResult(cache, tokens[-1:], 0.0))
     t3 = time.perf_counter()
     return (t1 - t0) + (t3 - t2), t3 - t2, saved
 
 
-def _copy_cache(cache):
-    """An independent copy of a prompt cache (the step writes into its arrays)."""
-    out = []
-    for c in cache:
-        n = copy.copy(c)
-        n.keys, n.values = mx.array(c.keys), mx.array(c.values)
-        out.append(n)
-    mx.eval([(c.keys, c.values) for c in out])
-    return out
-
-
 def _timed_bare_step(target, saved, last: mx.array) -> float:
     """The bare decoding step again, on a fresh copy of the prefilled cache."""
     from .switch import SwitchResult, first_step
 
-    cache = _copy_cache(saved)
+    cache = copy_cache(saved)
     t0 = time.perf_counter()
     first_step(target, SwitchResult(cache, last, 0.0))
     return time.perf_counter() - t0

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .align import identity_alignment
-from .models import prefill
+from .models import copy_cache, prefill
 from .switch import translate_aligned
 
 # CBR divides by the target's own context benefit; below this it is mostly noise.
@@ -266,6 +266,14 @@ def _variants(translators, native_tails: Sequence[int]) -> List[Tuple[object, in
     return [(t, m) for t in translators for m in native_tails]
 
 
+def _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs):
+    """Add one translated cache's scores to ``tot``. Both scorings write into the
+    cache they read, so one gets a copy: translating once per variant instead of
+    twice (the translation is a large share of a window's cost with wide maps)."""
+    tot.add(continuation, native, logprobs(copy_cache(cache)), none)
+    tot.add_cosine(attention_cosine(target, recorded, cache))
+
+
 def evaluate_translators(
     source, target, translators, windows, context_len: int, native_tails: Sequence[int] = (0,)
 ) -> List[Fidelity]:
@@ -288,11 +296,8 @@ def evaluate_translators(
             a = identity_alignment(context[0].tolist(), t.spec.native_prefix)
             a = a.with_native_tail(m, n)
 
-            def translated():
-                return translate_aligned(source, target, t, source_cache, None, a, n, context)
-
-            tot.add(continuation, native, logprobs(translated()), none)
-            tot.add_cosine(attention_cosine(target, recorded, translated()))
+            cache = translate_aligned(source, target, t, source_cache, None, a, n, context)
+            _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs)
     return [t.result(context_len) for t in totals]
 
 
@@ -321,11 +326,8 @@ def evaluate_aligned(
         for (t, m), tot in zip(variants, totals):
             a = s.alignment.with_native_tail(m, n)
 
-            def translated():
-                return translate_aligned(source, target, t, source_cache, None, a, n)
-
-            tot.add(continuation, native, logprobs(translated()), none)
-            tot.add_cosine(attention_cosine(target, recorded, translated()))
+            cache = translate_aligned(source, target, t, source_cache, None, a, n)
+            _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs)
     return [t.result(context_len) for t in totals]
 
 

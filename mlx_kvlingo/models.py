@@ -7,6 +7,7 @@ rotary position ("content space"), so this module un-rotates keys read from a
 source cache and re-rotates mapped keys with the target layer's own rope module.
 """
 
+import copy
 import hashlib
 import json
 import sys
@@ -593,6 +594,18 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
     # The inner model skips the LM head, which dominates cost for large vocabularies.
     (body if body is not None else model)(tokens, cache=cache)
     return cache
+
+
+def copy_cache(cache: List) -> List:
+    """An independent copy of a prompt cache: new array objects, so that writes into
+    one (a decoding step, a scored continuation) leave the other as it was."""
+    out = []
+    for c in cache:
+        n = copy.copy(c)
+        n.keys, n.values = mx.array(c.keys), mx.array(c.values)
+        out.append(n)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
 
 
 def last_logits(model: nn.Module, inputs: mx.array, cache, keep: int) -> mx.array:

@@ -505,3 +505,28 @@ def test_content_features_of_empty_cache():
     m = model("qwen3")
     with pytest.raises(KvlingoError, match="empty"):
         content_features(m, make_prompt_cache(m))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_copy_cache_is_independent(arch):
+    """Steps on a copy (evaluate scores a translated cache twice, once on a copy)
+    leave the original as it was, rotating layers included, and the copy reads the
+    same as the original."""
+    model = tiny_model(arch)
+    tokens = mx.array([[5, 9, 3, 17, 2, 44, 8, 1, 30, 12, 7, 6]])
+    cache = kv_models.prefill(model, tokens[:, :-1])
+    before = [(c.offset, np.array(c.keys), np.array(c.values)) for c in cache]
+    copy = kv_models.copy_cache(cache)
+    for _ in range(3):
+        copied_logits = model(tokens[:, -1:], cache=copy)
+    after = [(c.offset, np.array(c.keys), np.array(c.values)) for c in cache]
+    for (o1, k1, v1), (o2, k2, v2) in zip(before, after):
+        assert o1 == o2
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(v1, v2)
+    assert [c.offset for c in copy] == [c.offset + 3 for c in cache]
+    # The original still scores the next token as a fresh copy does.
+    first = model(tokens[:, -1:], cache=kv_models.copy_cache(cache))
+    again = model(tokens[:, -1:], cache=cache)
+    np.testing.assert_allclose(np.array(first), np.array(again), atol=1e-6)
+    assert copied_logits.shape == again.shape
