@@ -519,7 +519,8 @@ def train(
             config.distill.steps = distributed.broadcast_json(steps_, group)  # rank 0's plan
         steps_ = config.distill.steps
         typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
-                   + (f", low-rank correction of rank {rank}" if rank else ", full maps"))
+                   + (f", low-rank correction of rank {rank}" if rank else ", full maps")
+                   + (f" (target layers {layer_ranks}: their own ranks)" if layer_ranks else ""))
         try:
             summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
                                    progress=_print_progress, corpus_id=corpus, group=group,

@@ -400,10 +400,11 @@ def test_train_both_stages_makes_one_pass_over_the_pool(toy_pair_dirs, tmp_path)
          "--select-layers", "1,2", "--fit-tokens", "100000", "--steps", "4",
          "--store-pool", "3", "--context-lengths", "32,48", "--continuation-len", "16",
          "--batch-size", "2", "--accumulate", "1", "--eval-every", "0", "--checkpoint-every", "2",
-         "--rank", "2"],
+         "--rank", "2", "--layer-ranks", "0:3"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Stage 1 fits on stage 2's feature store (3 pool steps)" in proc.stdout
+    assert "rank 2 (target layers 0:3: their own ranks)" in proc.stdout
     assert "feature store: 3/3 pool steps" in proc.stdout
     assert "Done: 4 steps" in proc.stdout
     store = tmp_path / "t.safetensors.store"
