@@ -598,6 +598,9 @@ def eval_cmd(
             items = pair.heldout(c, continuation_len, windows)
             for r, f in zip(rows, evaluate_pair(pair, src, tgt, translators, items, c, tails)):
                 r.append(f)
+            # Progress: a length of 48 windows takes tens of minutes on a small CPU.
+            typer.echo(f"context {c}: {len(rows[0][-1].windows)} windows scored; CBR "
+                       + ", ".join(f"{r[-1].cbr:.1%}" for r in rows))
         entries = []
         for i, r in enumerate(rows):
             path, t, m = paths[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]

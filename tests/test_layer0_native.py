@@ -214,10 +214,13 @@ def test_eval_command_reports_both_settings(toy_pair_dirs, tmp_path):
     path = tmp_path / "t.safetensors"
     Translator.for_models(src, tgt, stok, ttok).save(path)
     report = tmp_path / "report.json"
-    run_cli("eval", "--source", toy_pair_dirs[0], "--target", toy_pair_dirs[1], "--translator",
-            path, "--context-lengths", "24", "--continuation-len", "8", "--windows", "2",
-            "--native-layer0", "off,on", "--json", report)
+    proc = run_cli("eval", "--source", toy_pair_dirs[0], "--target", toy_pair_dirs[1],
+                   "--translator", path, "--context-lengths", "24", "--continuation-len", "8",
+                   "--windows", "2", "--native-layer0", "off,on", "--json", report)
     entries = json.loads(report.read_text())["translators"]
+    # Progress as each length ends: its window count and every row's CBR.
+    cbrs = ", ".join(f"{e['results']['24']['cbr']:.1%}" for e in entries)
+    assert f"context 24: 2 windows scored; CBR {cbrs}" in proc.stdout
     assert [e["native_layer0"] for e in entries] == [False, True]
     off, on = (e["results"]["24"] for e in entries)
     assert off["nll_native"] == on["nll_native"] and off["nll_translated"] != on["nll_translated"]
