@@ -269,7 +269,7 @@ def _variants(translators, native_tails: Sequence[int]) -> List[Tuple[object, in
 def _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs):
     """Add one translated cache's scores to ``tot``. Both scorings write into the
     cache they read, so one gets a copy: translating once per variant instead of
-    twice (the translation is a large share of a window's cost with wide maps)."""
+    twice (top-18 maps, SmolLM2 -> Gemma 3: about a tenth of the evaluation's time)."""
     tot.add(continuation, native, logprobs(copy_cache(cache)), none)
     tot.add_cosine(attention_cosine(target, recorded, cache))
 
