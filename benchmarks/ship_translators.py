@@ -21,7 +21,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_kvlingo.shipped import ASSETS, SHIPPED
-from mlx_kvlingo.translator import METADATA_KEY, QUANT_KEY, load_translator
+from mlx_kvlingo.translator import (METADATA_KEY, _quantization, _read_safetensors_header,
+                                    load_translator)
 
 KEYS = {("smollm2", "gemma3"): "s2g", ("gemma3", "smollm2"): "g2s"}
 
@@ -44,9 +45,10 @@ def summary(eval_json: Path, translator: Path) -> dict:
 
 
 def file_bits(path: Path):
-    """The bits a translator file's maps are quantized to (None: plain float)."""
-    _, metadata = mx.load(str(path), return_metadata=True)
-    return json.loads(metadata[QUANT_KEY])["bits"] if QUANT_KEY in metadata else None
+    """The bits a translator file's maps are quantized to (None: plain float), from
+    its header alone (load_translator's own reading of it)."""
+    metadata = _read_safetensors_header(path).get("__metadata__") or {}
+    return _quantization(path, metadata)
 
 
 def rewrite_metadata(src: Path, out: Path, spec) -> None:
