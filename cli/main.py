@@ -123,7 +123,7 @@ def _pair_data(corpus: str, src_tok, tgt_tok):
 def fit_translator_cli(
     src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
     sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
-    group=None, pair=None, from_store=None,
+    group=None, pair=None, from_store=None, token_layers="",
 ):
     """Stage 1 with a progress bar; returns (translator, report).
 
@@ -139,13 +139,13 @@ def fit_translator_cli(
     from mlx_kvlingo import data, distributed
     from mlx_kvlingo.evaluate import evaluate_pair
     from mlx_kvlingo.fit import fit_features, fit_selected
-    from mlx_kvlingo.models import token_features
+    from mlx_kvlingo.models import token_features, token_inputs
     from mlx_kvlingo.samples import SharedTokens
     from mlx_kvlingo.translator import Translator
 
     translator = Translator.for_models(
         src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
-        native_prefix=native_prefix,
+        native_prefix=native_prefix, token_layers=_token_layers(token_layers, tgt),
     )
     pair = pair or _pair_data(corpus, src_tok, tgt_tok)
     windows = max(tokens // context_len, 1)
@@ -158,7 +158,10 @@ def fit_translator_cli(
                 data.token_windows(pair.train_stream, context_len, batch_size, windows), group):
             sk, sv, _ = token_features(src, tokens, layers)
             tk, tv, _ = token_features(tgt, tokens)
-            yield sk, sv, tk, tv
+            if translator.spec.token_layers:
+                yield sk, sv, tk, tv, token_inputs(tgt, tokens, 0, tokens.shape[1])
+            else:
+                yield sk, sv, tk, tv
 
     def choose(candidates):
         """Index of the candidate with the lowest KL on a few held-out windows
@@ -205,6 +208,38 @@ def fit_translator_cli(
     return translator, report
 
 
+TOKEN_LAYERS_HELP = (
+    "Target layers whose maps also read the target's own embeddings of each token and "
+    "the token before it (cheap, exact; for a copy/induction key the previous token is "
+    "what another tokenizer's features carry worst): 'full' (the target's "
+    "full-attention layers; every layer of a model without sliding windows), 'all', or "
+    "comma-separated layers. Needs --select-layers. Default: none."
+)
+
+
+def _token_layers(text: str, target) -> list:
+    """--token-layers resolved against the target model."""
+    from mlx_kvlingo.models import cache_geometry
+
+    text = (text or "").strip()
+    layers = cache_geometry(target).layers
+    if not text:
+        return []
+    if text == "all":
+        return list(range(len(layers)))
+    if text == "full":
+        return [i for i, lg in enumerate(layers) if not lg.window]
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 <= v < len(layers) for v in values):
+        raise KvlingoError(
+            f"--token-layers takes 'full', 'all' or target layers in 0..{len(layers) - 1}, "
+            f"got {text!r}.")
+    return sorted(set(values))
+
+
 SELECT_HELP = (
     "Choose each map's source layers from data: comma-separated candidate counts "
     "(e.g. 2,4,8); each map reads its best source layers by single-layer R², and the "
@@ -237,6 +272,7 @@ def fit(
     sources_per_layer: int = typer.Option(1, help="Source layers concatenated per map."),
     native_prefix: int = typer.Option(1, help="First tokens the target computes itself."),
     select_layers: Optional[str] = typer.Option(None, help=SELECT_HELP),
+    token_layers: str = typer.Option("", help=TOKEN_LAYERS_HELP),
 ):
     """Stage 1: fit a translator in closed form and write it to OUT (under
     `mlx.launch -n N`, on N processes)."""
@@ -251,6 +287,7 @@ def fit(
         translator, report = fit_translator_cli(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
             sources_per_layer, native_prefix, _counts(select_layers), group=group,
+            token_layers=token_layers,
         )
         if distributed.is_writer(group):
             translator.save(out)
@@ -392,6 +429,7 @@ def train(
     ridge: float = typer.Option(1e-3),
     sources_per_layer: int = typer.Option(1),
     select_layers: Optional[str] = typer.Option(None, help=SELECT_HELP),
+    token_layers: str = typer.Option("", help=TOKEN_LAYERS_HELP),
     native_prefix: int = typer.Option(1, help="First tokens the target computes itself (0 = off)."),
     steps: int = typer.Option(500, help="Stage 2: optimizer steps."),
     lr: float = typer.Option(1e-4, help="Stage 2: peak learning rate (AdamW)."),
@@ -490,6 +528,7 @@ def train(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
                 candidates_beside=out, group=group, pair=pair, from_store=from_store,
+                token_layers=token_layers,
             )
             translator.spec.native_layer0 = bool(native_layer0)
             r = report.to_dict()

@@ -37,6 +37,7 @@ from .models import (
     prefill,
     read_layer,
     token_features,
+    token_inputs,
 )
 from .translator import Translator
 
@@ -84,6 +85,10 @@ class LowRankMaps(nn.Module):
         super().__init__()
         self.base = translator
         self.base.freeze()
+        # Token maps (spec.token_layers) are small (two embeddings wide): they train
+        # whole, from their stage-1 fit, beside the correction.
+        for m in translator.k_tok + translator.v_tok:
+            m.unfreeze()
         key = mx.random.key(seed)
         self.a_k, self.b_k, self.a_v, self.b_v = [], [], [], []
         for i, (km, vm) in enumerate(zip(translator.k_maps, translator.v_maps)):
@@ -94,10 +99,11 @@ class LowRankMaps(nn.Module):
                 a.append(mx.random.normal((r, in_dim), key=sub) / math.sqrt(in_dim))
                 b.append(mx.zeros((out_dim, r)))
 
-    def __call__(self, keys, values, frozen=None):
-        """``frozen``: the frozen maps' outputs on these inputs (per target layer, K
-        and V), when already computed (:meth:`Distiller.with_frozen_outputs`); the
-        frozen maps are then not run again, only the correction."""
+    def __call__(self, keys, values, tokens=None, frozen=None):
+        """``tokens``: as for :meth:`Translator.__call__`. ``frozen``: the frozen
+        maps' source terms on these inputs (per target layer, K and V), when already
+        computed (:meth:`Distiller.with_frozen_outputs`); the frozen maps are then
+        not run again, only the correction."""
         out_k, out_v = [], []
         spec = self.base.spec
         for i, layers in enumerate(spec.layer_map):
@@ -108,7 +114,7 @@ class LowRankMaps(nn.Module):
                 base_k, base_v = self.base.k_maps[i](_concat(xk)), self.base.v_maps[i](_concat(xv))
             out_k.append(base_k + _project(xk, self.a_k[i]) @ self.b_k[i].T)
             out_v.append(base_v + _project(xv, self.a_v[i]) @ self.b_v[i].T)
-        return out_k, out_v
+        return self.base.add_token_terms(out_k, out_v, tokens)
 
     def merged(self) -> Translator:
         """The base translator with the corrections folded into its maps."""
@@ -116,6 +122,9 @@ class LowRankMaps(nn.Module):
         for i in range(len(t.k_maps)):
             t.k_maps[i].weight = self.base.k_maps[i].weight + self.b_k[i] @ self.a_k[i]
             t.v_maps[i].weight = self.base.v_maps[i].weight + self.b_v[i] @ self.a_v[i]
+        for mine, theirs in ((t.k_tok, self.base.k_tok), (t.v_tok, self.base.v_tok)):
+            for a, b in zip(mine, theirs):
+                a.weight = b.weight
         mx.eval(t.parameters())
         return t
 
@@ -279,12 +288,15 @@ def translated_cache(target, maps, batch: Batch):
         append_layer(c, pk, pv, 0, batch.n_native)
     n = batch.context.shape[1] - 1 - batch.n_native - batch.native_tail
     cut = lambda xs: [x[:, :n] if x is not None else None for x in xs]  # noqa: E731
+    spec = _spec(maps)
+    lo = batch.n_native
+    tokens = token_inputs(target, batch.context, lo, lo + n) if spec.token_layers else None
     if batch.frozen_keys is not None:
         frozen = (cut(batch.frozen_keys), cut(batch.frozen_values))
-        keys, values = maps(cut(batch.src_keys), cut(batch.src_values), frozen)
+        keys, values = maps(cut(batch.src_keys), cut(batch.src_values), tokens, frozen=frozen)
     else:
-        keys, values = maps(cut(batch.src_keys), cut(batch.src_values))
-    if _spec(maps).native_layer0:
+        keys, values = maps(cut(batch.src_keys), cut(batch.src_values), tokens)
+    if spec.native_layer0:
         keys[0], values[0] = layer0_features(
             target, batch.context[:, batch.n_native : batch.n_native + n])
     return build_cache(target, keys, values, start=batch.n_native, cache=cache)
@@ -429,7 +441,7 @@ class Distiller:
         if not isinstance(self.maps, LowRankMaps):
             return batches
         if key not in memo:
-            outs = [self.maps.base(b.src_keys, b.src_values) for b in batches]
+            outs = [self.maps.base.map_sources(b.src_keys, b.src_values) for b in batches]
             outs = [([k.astype(dtype) for k in ks], [v.astype(dtype) for v in vs])
                     for ks, vs in outs]
             mx.eval(outs)

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import distributed
+from .errors import KvlingoError
 from .models import token_features
 from .translator import Translator, TranslatorSpec
 
@@ -88,8 +89,9 @@ class MomentAccumulator:
             self.xtx.setdefault(layers, {kind: np.zeros((d_in, d_in)) for kind in "kv"})
         self.count = 0
 
-    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0):
-        """Add features ([B, T, width] per layer) of positions skip.. of every row."""
+    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0, tokens=None):
+        """Add features ([B, T, width] per layer) of positions skip.. of every row
+        (``tokens``: not read; token maps are fitted by :class:`GramAccumulator`)."""
 
         def rows(x):
             x = np.asarray(x[:, skip:].astype(mx.float32), dtype=np.float64)
@@ -161,9 +163,9 @@ def fit_stage1(
 def _accumulate(acc, features, skip: int, progress, group):
     """Add every (source K, source V, target K, target V) batch of ``features`` to
     ``acc`` (reporting positions to ``progress``), then sum it over ``group``'s ranks."""
-    for src_k, src_v, tgt_k, tgt_v in features:
+    for item in features:  # (source K, source V, target K, target V[, token inputs])
         before = acc.count
-        acc.add(src_k, src_v, tgt_k, tgt_v, skip=skip)
+        acc.add(*item[:4], skip=skip, tokens=item[4] if len(item) > 4 else None)
         if progress is not None:
             progress(acc.count - before)
     if group is not None:
@@ -184,6 +186,9 @@ def fit_features(
 
     ``group`` (an ``mx.distributed`` group, see distributed.py): ``features`` is this
     rank's share; the moments are summed over ranks before the one solve."""
+    if translator.spec.token_layers:
+        raise KvlingoError("Token maps are fitted with the source layers chosen from data "
+                           "(fit_selected; --select-layers).")
     t0 = time.perf_counter()
     acc = _accumulate(MomentAccumulator(translator), features, skip, progress, group)
     report = FitReport(tokens=acc.count)
@@ -211,8 +216,12 @@ class GramAccumulator:
     over the data.
     """
 
-    def __init__(self, source_widths: List[int], target_widths: List[int]):
-        self.widths = list(source_widths)
+    def __init__(self, source_widths: List[int], target_widths: List[int],
+                 token_width: int = 0):
+        # With ``token_width``, the target's token inputs (models.token_inputs) are
+        # one more block of columns after the source layers, read by token maps.
+        self.n_source = len(source_widths)
+        self.widths = list(source_widths) + ([token_width] if token_width else [])
         self.offsets = np.concatenate([[0], np.cumsum(self.widths)]).astype(int)
         total = int(self.offsets[-1])
         self.xtx = {kind: np.zeros((total, total)) for kind in "kv"}
@@ -222,8 +231,10 @@ class GramAccumulator:
     def columns(self, layers) -> np.ndarray:
         return np.concatenate([np.arange(self.offsets[j], self.offsets[j + 1]) for j in layers])
 
-    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0):
-        """Add features ([B, T, width] per layer) of positions skip.. of every row.
+    def add(self, src_k, src_v, tgt_k, tgt_v, skip: int = 0, tokens=None):
+        """Add features ([B, T, width] per layer) of positions skip.. of every row
+        (``tokens``: the target's token inputs of the same positions, when the
+        accumulator has their columns).
 
         Each batch's products are computed in float32 with MLX (this Gram is several
         thousand columns wide: float64 numpy took minutes per 1k rows) and summed
@@ -237,8 +248,11 @@ class GramAccumulator:
         def f64(a):
             return np.asarray(a, dtype=np.float64)
 
+        if (tokens is not None) != (len(self.widths) > self.n_source):
+            raise ValueError("token inputs must be given exactly when the fit has token columns")
+        extra = [tokens] if tokens is not None else []
         for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
-            x = mx.concatenate([rows(f) for f in src], axis=1)
+            x = mx.concatenate([rows(f) for f in list(src) + extra], axis=1)
             self.xtx[kind] += f64(x.T @ x)
             ys = [rows(y) for y in tgt]
             for i, y in enumerate(ys):
@@ -252,8 +266,8 @@ class GramAccumulator:
     def single_layer_r2(self, i: int, ridge: float) -> np.ndarray:
         """[n_source_layers]: mean of the K and V R² of target layer i's map from each
         source layer alone."""
-        out = np.zeros(len(self.widths))
-        for j in range(len(self.widths)):
+        out = np.zeros(self.n_source)
+        for j in range(self.n_source):
             cols = self.columns([j])
             out[j] = np.mean([ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)[1]
                               for kind in "kv"])
@@ -269,12 +283,19 @@ class GramAccumulator:
         ``layer_map[i]``, solved in closed form from the shared moments."""
         t = Translator(replace(spec, layer_map=[sorted(int(j) for j in m) for m in layer_map],
                                training={}))
+        if t.spec.token_layers and len(self.widths) == self.n_source:
+            raise ValueError("token maps need an accumulator with token columns")
         report = FitReport(tokens=self.count)
         for i, layers in enumerate(t.spec.layer_map):
             cols = self.columns(layers)
+            n = len(cols)
+            if i in t.spec.token_layers:  # fitted jointly with the source terms
+                cols = np.concatenate([cols, self.columns([self.n_source])])
             for kind, maps, r2 in (("k", t.k_maps, report.r2_keys), ("v", t.v_maps, report.r2_values)):
                 w, r = ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)
-                maps[i].weight = mx.array(w.astype(np.float32))
+                maps[i].weight = mx.array(w[:, :n].astype(np.float32))
+                if len(cols) > n:
+                    t.token_map(i, kind).weight = mx.array(w[:, n:].astype(np.float32))
                 r2.append(r)
         mx.eval(t.parameters())
         t.spec.training = {"stage": 1, "method": "least squares", "ridge": ridge,
@@ -310,7 +331,9 @@ def fit_selected(
     t0 = time.perf_counter()
     geo_s = translator.spec.source.cache_geometry.layers
     geo_t = translator.spec.target.cache_geometry.layers
-    acc = _accumulate(GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t]),
+    spec = translator.spec
+    acc = _accumulate(GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t],
+                                      spec.token_width if spec.token_layers else 0),
                       features, skip, progress, group)
     ranked = acc.ranked_layers(ridge)
     fitted = {}

@@ -480,6 +480,36 @@ def layer0_features(model: nn.Module, tokens: mx.array) -> Tuple[mx.array, mx.ar
     return _flatten_heads(keys), _flatten_heads(values)
 
 
+def token_input_width(model: nn.Module) -> int:
+    """Width of :func:`token_inputs` rows for ``model``: two embeddings (read off
+    one lookup: a quantized embedding's weight is packed)."""
+    return 2 * model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.int32)).shape[-1]
+
+
+def token_inputs(model: nn.Module, tokens: mx.array, start: int, end: int) -> mx.array:
+    """The model's own input embeddings of each position's token and of the token
+    before it, each RMS-normalised, for positions start..end-1 of ``tokens``
+    ([B, T]): [B, end-start, 2*hidden] float32. Positions at or past T repeat the
+    last token (free rows of a cache buffer, never attended); position 0 has no
+    previous token (zeros).
+
+    Why: a key that an induction head matches encodes the *previous* token, and a
+    source model with another tokenizer has split the text differently, so its
+    features say little about the target's previous token; the target's own
+    embeddings say it exactly, and cost a lookup (issue 9, session 12 diagnostic).
+    Normalising makes the embedding's scale (Gemma multiplies by sqrt(hidden))
+    irrelevant."""
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    T = tokens.shape[1]
+    pos = mx.minimum(mx.arange(start, end), T - 1)
+    emb = model.model.embed_tokens(tokens).astype(mx.float32)
+    emb = emb * mx.rsqrt((emb * emb).mean(-1, keepdims=True) + 1e-6)
+    prev = mx.take(emb, mx.maximum(pos - 1, 0), axis=1)
+    prev = mx.where((pos > 0)[None, :, None], prev, 0.0)
+    return mx.concatenate([mx.take(emb, pos, axis=1), prev], axis=-1)
+
+
 # ---------------------------------------------------------------------------
 # Reading and writing caches
 

@@ -260,6 +260,11 @@ def convert_prompt_cache(
                 "The translator computes layer 0 natively from the token ids: give the "
                 "prompt that was cached."
             )
+        if getattr(translator.spec, "token_layers", None):
+            raise KvlingoError(
+                "The translator's maps read the target's token embeddings: give the "
+                "prompt that was cached."
+            )
         tokens = [0] * n  # ids are not read when nothing is computed natively
     if len(tokens) != n:
         raise PromptCacheError(

@@ -23,7 +23,7 @@ from . import distributed
 from .align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from .distill import Batch, make_batch, make_batch_from_features, native_prefix_kv
 from .errors import KvlingoError
-from .models import attention_weights, cache_features, token_features
+from .models import attention_weights, cache_features, token_features, token_inputs
 
 
 def _step_rng(seed: int, step: int) -> random.Random:
@@ -173,6 +173,8 @@ class AlignedText:
             gather = lambda xs, r: [x[:, r] if x is not None else None for x in xs]  # noqa: E731
             keep = mx.array(keep)
             item = gather(sk, rows), gather(sv, rows), gather(tk, keep), gather(tv, keep)
+            if translator.spec.token_layers and not attention:
+                item += (token_inputs(target, tokens, 0, tokens.shape[1])[:, keep],)
             yield (*item, [w[:, :, keep] for w in weights]) if attention else item
 
 

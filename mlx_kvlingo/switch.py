@@ -41,6 +41,7 @@ from .models import (
     rerope,
     rope_planes,
     rotate_planes,
+    token_inputs,
     unrope,
 )
 from .translator import Translator
@@ -163,7 +164,7 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
             rows = mx.array([i - first for i in idx])
             keys = [k[:, rows] if k is not None else None for k in keys]
             values = [v[:, rows] if v is not None else None for v in values]
-        tk, tv = translator(keys, values)
+        tk, tv = translator(keys, values, _token_rows(target, translator, target_tokens, lo, hi))
         if _native_layer0(translator):  # computed by the target, not translated
             tk[0], tv[0] = layer0_features(target, target_tokens[:, lo:hi])
         target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache)
@@ -172,6 +173,14 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
 
 def _native_layer0(translator) -> bool:
     return getattr(translator.spec, "native_layer0", False)
+
+
+def _token_rows(target, translator, target_tokens, lo: int, hi: int) -> Optional[mx.array]:
+    """The target's token inputs of positions lo..hi-1, for a translator with token
+    maps (None otherwise)."""
+    if not getattr(translator.spec, "token_layers", None):
+        return None
+    return token_inputs(target, target_tokens, lo, hi)
 
 
 def _check_source_holds(source_cache, last: int):
@@ -227,6 +236,7 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     layer_map = [[] if i == 0 and _native_layer0(translator) else layers
                  for i, layers in enumerate(translator.spec.layer_map)]
     top = max(last for _, last in spans)
+    tokens = _token_rows(target, translator, target_tokens, 0, top)
     # Source positions per target position (-1: prefix and free rows, any row will do).
     index = np.full(top, -1, dtype=np.int64)
     index[:hi] = np.maximum(np.asarray(alignment.source_index[:hi], dtype=np.int64), -1)
@@ -336,6 +346,9 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 if map_first[i]:  # one output row per target row
                     with _on(copies):
                         out = out[:, plan(first, last).rows]
+            tok = translator.token_map(i, kind) if tokens is not None else None
+            if tok is not None:  # the target's own token embeddings' term
+                out = out + tok(tokens[:, first:last]).astype(out.dtype)
             _phase(phases, "maps_s", [out])
             out = _cache_layout(target, i, lg, kind, out, first, dtype, prefix, k, copies)
             if kind == "k":

@@ -29,6 +29,7 @@ from . import distributed
 from .distill import DistillConfig, Distiller, with_native_features
 from .errors import KvlingoError
 from .evaluate import Fidelity, evaluate_pair
+from .models import token_inputs
 from .translator import Translator, TranslatorSpec
 
 CHECKPOINT_VERSION = 1
@@ -178,8 +179,12 @@ def store_fit_features(source, target, translator, pair_data, out: Path, config:
         if taken >= positions:
             continue
         for b in computed or [with_native_features(target, b) for b in batches]:
-            yield b.src_keys, b.src_values, b.native_keys, b.native_values
-            taken += b.native_keys[0].shape[0] * b.native_keys[0].shape[1]
+            item = (b.src_keys, b.src_values, b.native_keys, b.native_values)
+            n = b.native_keys[0].shape[1]
+            if translator.spec.token_layers:
+                item += (token_inputs(target, b.context, b.n_native, b.n_native + n),)
+            yield item
+            taken += b.native_keys[0].shape[0] * n
 
 
 def _paths(out: Path):

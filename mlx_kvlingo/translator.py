@@ -20,22 +20,26 @@ import os
 import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .errors import TranslatorFileError, TranslatorMismatch
+from .errors import KvlingoError, TranslatorFileError, TranslatorMismatch
 from .models import (
     CacheGeometry,
     cache_geometry,
     model_name,
     supports_native_layer0,
+    token_input_width,
     tokenizer_fingerprint,
 )
 
-FORMAT_VERSION = 1
+# The newest file format this version reads and writes. 2: token maps
+# (spec.token_layers). A file without token maps is written as version 1, without
+# the new fields, so older mlx-kvlingo still reads it.
+FORMAT_VERSION = 2
 METADATA_KEY = "mlx_kvlingo"
 QUANT_KEY = "mlx_kvlingo.quantization"
 QUANT_GROUP = 64  # inputs sharing one scale and bias (SmolLM2's and Gemma's widths divide it)
@@ -74,7 +78,7 @@ class TranslatorSpec:
     # containing its last character (align.py).
     alignment: str = "shared"
     training: dict = field(default_factory=dict)  # how the maps were made
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1  # 2 with token maps (__post_init__)
     # Default number of trailing context tokens the target computes itself at a
     # switch (the "native tail", on top of the translated cache).
     native_tail: int = 0
@@ -82,9 +86,22 @@ class TranslatorSpec:
     # depend only on each token and its position: exact, and cheap). The maps of
     # layer 0 stay in the file, unused. Files written before this field: off.
     native_layer0: bool = False
+    # Target layers whose K and V maps also read the target's own embeddings of each
+    # position's token and the token before it (models.token_inputs, width
+    # ``token_width``), added to what they read from the source. Files written
+    # before these fields: none.
+    token_layers: List[int] = field(default_factory=list)
+    token_width: int = 0
+
+    def __post_init__(self):
+        if self.token_layers and self.format_version == 1:
+            self.format_version = 2  # a reader of version 1 would drop the token maps
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if not self.token_layers:  # a version-1 file, as older versions wrote it
+            del d["token_layers"], d["token_width"]
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "TranslatorSpec":
@@ -120,6 +137,11 @@ class Translator(nn.Module):
         widths = [sum(src[j].width for j in layers) for layers in spec.layer_map]
         self.k_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
         self.v_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
+        # The token maps of spec.token_layers, in that order.
+        self.k_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False)
+                      for i in spec.token_layers]
+        self.v_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False)
+                      for i in spec.token_layers]
 
     @classmethod
     def for_models(
@@ -130,14 +152,22 @@ class Translator(nn.Module):
         target_tokenizer=None,
         sources_per_layer: int = 1,
         native_prefix: int = 1,
+        token_layers: Sequence[int] = (),
     ) -> "Translator":
-        """A translator (maps still random) for a pair of loaded models."""
+        """A translator (maps still random) for a pair of loaded models.
+        ``token_layers``: target layers whose maps also read the target's token
+        inputs (:func:`~mlx_kvlingo.models.token_inputs`)."""
         s = ModelIdentity.of(source, source_tokenizer)
         t = ModelIdentity.of(target, target_tokenizer)
         n_s, n_t = len(s.geometry["layers"]), len(t.geometry["layers"])
         layer_map = nearest_layer_map(n_s, n_t, sources_per_layer)
         alignment = "shared" if s.tokenizer == t.tokenizer else "last_char"
-        return cls(TranslatorSpec(s, t, layer_map, native_prefix, alignment=alignment))
+        token_layers = sorted({int(i) for i in token_layers})
+        if any(not 0 <= i < n_t for i in token_layers):
+            raise KvlingoError(f"token layers {token_layers} must lie in 0..{n_t - 1}.")
+        width = token_input_width(target) if token_layers else 0
+        return cls(TranslatorSpec(s, t, layer_map, native_prefix, alignment=alignment,
+                                  token_layers=token_layers, token_width=width))
 
     def with_native_layer0(self, on: bool) -> "Translator":
         """The same maps (shared, not copied) with layer 0 computed by the target
@@ -146,20 +176,52 @@ class Translator(nn.Module):
             return self
         t = Translator(replace(self.spec, native_layer0=bool(on)))
         t.k_maps, t.v_maps = self.k_maps, self.v_maps
+        t.k_tok, t.v_tok = self.k_tok, self.v_tok
         return t
 
     @property
     def cross_tokenizer(self) -> bool:
         return self.spec.alignment != "shared"
 
-    def __call__(self, keys: List[mx.array], values: List[mx.array]):
+    def __call__(self, keys: List[mx.array], values: List[mx.array],
+                 tokens: Optional[mx.array] = None):
         """Map source content-space K/V (lists over source layers of [B, T, width])
-        to target content-space K/V (lists over target layers)."""
+        to target content-space K/V (lists over target layers). ``tokens``: the
+        target's :func:`~mlx_kvlingo.models.token_inputs` of the same positions,
+        needed when ``spec.token_layers`` is not empty."""
+        out_k, out_v = self.map_sources(keys, values)
+        return self.add_token_terms(out_k, out_v, tokens)
+
+    def map_sources(self, keys: List[mx.array], values: List[mx.array]):
+        """The maps' source terms alone (all of a translator without token layers)."""
         out_k, out_v = [], []
         for layers, km, vm in zip(self.spec.layer_map, self.k_maps, self.v_maps):
             out_k.append(km(_concat([keys[j] for j in layers])))
             out_v.append(vm(_concat([values[j] for j in layers])))
         return out_k, out_v
+
+    def add_token_terms(self, out_k: List[mx.array], out_v: List[mx.array],
+                        tokens: Optional[mx.array]):
+        """``out_k``/``out_v`` (per target layer) plus the token maps' terms."""
+        if not self.spec.token_layers:
+            return out_k, out_v
+        if tokens is None:
+            raise KvlingoError(
+                "This translator's maps also read the target's token embeddings "
+                f"(layers {self.spec.token_layers}): pass tokens=models.token_inputs(...)."
+            )
+        out_k, out_v = list(out_k), list(out_v)
+        for i, kt, vt in zip(self.spec.token_layers, self.k_tok, self.v_tok):
+            out_k[i] = out_k[i] + kt(tokens).astype(out_k[i].dtype)
+            out_v[i] = out_v[i] + vt(tokens).astype(out_v[i].dtype)
+        return out_k, out_v
+
+    def token_map(self, layer: int, kind: str) -> Optional[nn.Linear]:
+        """Target layer ``layer``'s token map for keys ("k") or values ("v"), if any."""
+        if layer not in self.spec.token_layers:
+            return None
+        j = self.spec.token_layers.index(layer)
+        return (self.k_tok if kind == "k" else self.v_tok)[j]
 
     @property
     def source_layers(self) -> List[int]:
@@ -185,6 +247,11 @@ class Translator(nn.Module):
                         f"{role} tokenizer: vocabulary differs from the one the "
                         "translator was trained with"
                     )
+        if self.spec.token_layers and token_input_width(target) != self.spec.token_width:
+            problems.append(
+                f"the translator's token maps read {self.spec.token_width} embedding "
+                f"features, the target's embeddings give {token_input_width(target)}"
+            )
         if self.spec.native_layer0 and not supports_native_layer0(target):
             problems.append(
                 f"the translator computes layer 0 natively, which is not supported for "
@@ -398,6 +465,13 @@ def _validate_spec(spec: TranslatorSpec):
             for lg in layers
         ):
             raise TranslatorFileError(f"invalid {role} geometry.")
+    n_target = len(spec.target.geometry["layers"])
+    if not (_is_count(spec.token_width) and isinstance(spec.token_layers, list)
+            and all(_is_count(i) and i < n_target for i in spec.token_layers)
+            and len(set(spec.token_layers)) == len(spec.token_layers)
+            and (spec.token_width > 0 or not spec.token_layers)):
+        raise TranslatorFileError(
+            f"invalid token_layers {spec.token_layers!r} / token_width {spec.token_width!r}.")
     n_source = len(spec.source.geometry["layers"])
     for i, layers in enumerate(spec.layer_map):
         if not layers or not all(_is_count(j) and j < n_source for j in layers):

@@ -400,7 +400,7 @@ def test_train_both_stages_makes_one_pass_over_the_pool(toy_pair_dirs, tmp_path)
          "--select-layers", "1,2", "--fit-tokens", "100000", "--steps", "4",
          "--store-pool", "3", "--context-lengths", "32,48", "--continuation-len", "16",
          "--batch-size", "2", "--accumulate", "1", "--eval-every", "0", "--checkpoint-every", "2",
-         "--rank", "2", "--layer-ranks", "0:3"],
+         "--rank", "2", "--layer-ranks", "0:3", "--token-layers", "full"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Stage 1 fits on stage 2's feature store (3 pool steps)" in proc.stdout
@@ -412,6 +412,13 @@ def test_train_both_stages_makes_one_pass_over_the_pool(toy_pair_dirs, tmp_path)
     n_source = len(json.loads((store / "manifest.json").read_text())["key"]["source_layers"])
     t = load_translator(out)
     assert n_source == t.spec.source.cache_geometry.n_layers  # every layer, for the choice
+    # --token-layers full: every layer of a target without sliding windows, fitted
+    # on the store (token inputs read off its contexts) and trained in stage 2.
+    assert t.spec.token_layers == list(range(t.spec.target.cache_geometry.n_layers))
+    s1_top2 = load_translator(tmp_path / "t.stage1-top2.safetensors")
+    assert s1_top2.spec.token_layers == t.spec.token_layers
+    assert any(mx.abs(a.weight - b.weight).max().item() > 0
+               for a, b in zip(t.k_tok + t.v_tok, s1_top2.k_tok + s1_top2.v_tok))
     assert (tmp_path / "t.stage1-top1.safetensors").exists()
     assert (tmp_path / "t.stage1-top2.safetensors").exists()
     # 3 pool steps of 2 sequences, fewer positions than --fit-tokens asked: all of them.
