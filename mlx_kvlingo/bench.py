@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .models import (apply_rope_tables, cache_geometry, copy_cache, prefill,  # noqa: F401
                      rope_tables)
@@ -215,18 +216,23 @@ def _timed_bare_step(target, saved, last: mx.array) -> float:
 
 def _map_inputs(target, translator, context: int):
     """Inputs ready in memory for the maps alone: per target layer, one row per
-    position its cache holds (a sliding layer: its window)."""
-    inputs = []
-    for lg, km in zip(cache_geometry(target).layers, translator.k_maps):
+    position its cache holds (a sliding layer: its window); then, per token map
+    (spec.token_layers), as many rows of token inputs."""
+    inputs, tokens = [], []
+    for i, (lg, km) in enumerate(zip(cache_geometry(target).layers, translator.k_maps)):
         rows = min(context - 1, lg.window) if lg.window else context - 1
         inputs.append(mx.random.normal((1, rows, km.weight.shape[1])))
-    mx.eval(inputs)
-    return inputs
+        if i in translator.spec.token_layers:
+            tokens.append(mx.random.normal((1, rows, translator.spec.token_width)))
+    mx.eval(inputs, tokens)
+    return inputs, tokens
 
 
 def _timed_maps(translator, inputs) -> float:
+    sources, tokens = inputs
     t0 = time.perf_counter()
-    mx.eval([(km(x), vm(x)) for x, km, vm in zip(inputs, translator.k_maps, translator.v_maps)])
+    mx.eval([(km(x), vm(x)) for x, km, vm in zip(sources, translator.k_maps, translator.v_maps)]
+            + [(kt(x), vt(x)) for x, kt, vt in zip(tokens, translator.k_tok, translator.v_tok)])
     return time.perf_counter() - t0
 
 
@@ -330,8 +336,7 @@ def measure_ttft(
         med = statistics.median
         ceiling = [d + ms for d, ms in zip(steps, maps)]
         source_mb = _nbytes(ctx.source_cache) / 2**20
-        maps_mb = sum(w.nbytes for km, vm in zip(translator.k_maps, translator.v_maps)
-                      for w in (km.weight, vm.weight)) / 2**20
+        maps_mb = sum(w.nbytes for _, w in tree_flatten(translator.parameters())) / 2**20
         working_mb = _working_set(translator, buffer_rows) / 2**20
         target_mb = cache_bytes / 2**20
         bound = source_mb + target_mb + maps_mb + working_mb

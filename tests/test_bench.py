@@ -135,3 +135,19 @@ def test_rope_tables_reproduce_the_rope_modules_exactly():
         assert mx.abs(apply_rope_tables(x, t, rope) - rope(x, offset=5)).max().item() < 1e-5
         back = apply_rope_tables(x, t, rope, inverse=True)
         assert mx.abs(back - unrope(rope, x, 5)).max().item() < 1e-5
+
+
+def test_measure_ttft_counts_token_maps(toy_pair):
+    """A translator with token maps: the maps' time and bytes include them."""
+    src, stok, tgt, ttok = toy_pair
+    plain = Translator.for_models(src, tgt, stok, ttok)
+    with_tokens = Translator.for_models(src, tgt, stok, ttok, token_layers=[0, 1])
+    stream = stok.encode("Return a new list containing all items in ascending order. " * 4)
+    mb = {}
+    for name, t in (("plain", plain), ("tokens", with_tokens)):
+        (row,) = measure_ttft(src, tgt, t, stream, contexts=(16,), repeats=1, warmup=0,
+                              native_tails=(0,), rounds=1)
+        mb[name] = row.memory["maps_mb"]
+        assert row.maps_s > 0
+    token_bytes = sum(m.weight.nbytes for m in with_tokens.k_tok + with_tokens.v_tok)
+    assert abs((mb["tokens"] - mb["plain"]) * 2**20 - token_bytes) < 1
