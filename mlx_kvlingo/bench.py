@@ -240,9 +240,13 @@ def _working_set(translator, buffer_rows: Sequence[int]) -> int:
     """Bytes of one layer's working set, the largest layer's: its source features (K
     and V) and map outputs over the rows of its cache buffer (the positions it holds
     and the room preallocated for the next tokens, as the target cache's bytes
-    count them), what ``bound_mb`` allows beyond the caches and maps."""
-    return max(rows * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
-               for rows, km in zip(buffer_rows, translator.k_maps))
+    count them), what ``bound_mb`` allows beyond the caches and maps. With token maps,
+    plus the target's token inputs over the longest buffer: the switch looks them up
+    once and holds them for every token layer."""
+    layer = max(rows * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
+                for rows, km in zip(buffer_rows, translator.k_maps))
+    tokens = max(buffer_rows) * translator.spec.token_width * 4 if translator.spec.token_layers else 0
+    return layer + tokens
 
 
 def profile_switch(source, target, translator, ctx: _Context, m: int = 0,

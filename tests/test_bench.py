@@ -143,11 +143,15 @@ def test_measure_ttft_counts_token_maps(toy_pair):
     plain = Translator.for_models(src, tgt, stok, ttok)
     with_tokens = Translator.for_models(src, tgt, stok, ttok, token_layers=[0, 1])
     stream = stok.encode("Return a new list containing all items in ascending order. " * 4)
-    mb = {}
+    mb, working = {}, {}
     for name, t in (("plain", plain), ("tokens", with_tokens)):
         (row,) = measure_ttft(src, tgt, t, stream, contexts=(16,), repeats=1, warmup=0,
                               native_tails=(0,), rounds=1)
         mb[name] = row.memory["maps_mb"]
+        working[name] = row.memory["layer_working_set_mb"]
         assert row.maps_s > 0
     token_bytes = sum(m.weight.nbytes for m in with_tokens.k_tok + with_tokens.v_tok)
     assert abs((mb["tokens"] - mb["plain"]) * 2**20 - token_bytes) < 1
+    # The token inputs the switch holds: at least the 16-token context's rows.
+    extra = (working["tokens"] - working["plain"]) * 2**20
+    assert extra >= 15 * with_tokens.spec.token_width * 4
