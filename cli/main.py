@@ -712,7 +712,7 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     from mlx_kvlingo.align import align_text, tokenize_with_offsets
     from mlx_kvlingo.models import prefill
     from mlx_kvlingo.gate import judge_switch
-    from mlx_kvlingo.switch import generate_after_switch, switch, switch_text
+    from mlx_kvlingo.switch import check_fits, generate_after_switch, switch, switch_text
 
     tail = translator.spec.native_tail if gate is None else max(
         gate.tokens, translator.spec.native_tail)
@@ -744,6 +744,7 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
         decisions.append(decision)
         return result
 
+    check_fits(tgt, len(target_tokens))  # before the source's prefill, not after it
     # The source has read the context during its turn: its cache is given, not timed.
     source_cache = prefill(src, mx.array(source_tokens)[None])
     mx.eval([(c.keys, c.values) for c in source_cache])

@@ -121,6 +121,17 @@ def _native_tail(translator: Translator, native_tail: Optional[int]) -> int:
     return m
 
 
+def check_fits(target: nn.Module, n_target_tokens: int) -> None:
+    """Refuse a context longer than the target model handles. Callers that prefill the
+    source first call it before that work, so a long prompt fails at once."""
+    limit = max_positions(target)
+    if limit and n_target_tokens > limit:
+        raise KvlingoError(
+            f"The context has {n_target_tokens} target tokens; the target "
+            f"model handles at most {limit} positions."
+        )
+
+
 def _translate(source, target, translator, source_cache, target_cache, alignment, end,
                target_tokens, room: int, phases: Optional[dict] = None,
                early: Optional["_EarlyLayer"] = None) -> List:
@@ -135,12 +146,7 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
             f"Cannot translate positions {start}..{end - 1} of a "
             f"{len(alignment.source_index)}-token context."
         )
-    limit = max_positions(target)
-    if limit and len(alignment.target_tokens) > limit:
-        raise KvlingoError(
-            f"The context has {len(alignment.target_tokens)} target tokens; the target "
-            f"model handles at most {limit} positions."
-        )
+    check_fits(target, len(alignment.target_tokens))
     runs = alignment.runs(start, end)
     if target_cache is None and _fresh_block_fits(runs):
         # The switch's case: [native prefix] + one translated block (+ native runs
