@@ -97,6 +97,23 @@ def test_context_longer_than_the_target_allows_is_refused():
         switch(m, m, t, list(range(1, 21)))
 
 
+def test_the_switch_command_refuses_a_long_context_before_any_prefill(monkeypatch):
+    """`mlx-kvlingo switch` checks the length first: a too-long prompt fails at once,
+    not after the source has read all of it."""
+    import mlx_kvlingo.models
+    from mlx_kvlingo_cli.main import run_switch
+    from tiny import tiny_model
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("prefilled before the length check")
+
+    monkeypatch.setattr(mlx_kvlingo.models, "prefill", no_prefill)
+    m = tiny_model("qwen2", max_position_embeddings=16)
+    t = Translator.for_models(m, m)
+    with pytest.raises(KvlingoError, match="at most 16 positions"):
+        run_switch(m, None, m, None, t, list(range(1, 21)), max_tokens=1, compare=False)
+
+
 # ---------------------------------------------------------------------------
 # The fast path, the bare first step and the native tail
 
