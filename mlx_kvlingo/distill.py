@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import distributed
+from . import cpu_prefill, distributed
 from .errors import KvlingoError
 from .models import (
     append_layer,
@@ -254,8 +254,9 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     teacher_cache = prefill(target, context[:, :-1])
     # Read before the continuation's pass moves the sliding windows.
     native_kv = _native_kv(target, teacher_cache, n_native) if native else (None, None)
-    logits = target(inputs, cache=teacher_cache).astype(mx.float32)
-    teacher = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    with cpu_prefill.frozen_passes():
+        logits = target(inputs, cache=teacher_cache).astype(mx.float32)
+    teacher = cpu_prefill.log_softmax(logits)
     batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native,
                   native_keys=native_kv[0], native_values=native_kv[1])
     mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)

@@ -1,0 +1,137 @@
+"""cpu_prefill: the numpy softmax and activations compute what MLX and mlx-lm do
+(attention under every mask mlx-lm passes, whole prefills of every supported
+architecture), and only inside frozen passes."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from mlx_kvlingo import cpu_prefill
+from mlx_kvlingo.models import prefill, read_layer
+
+from tiny import CONFIGS, tiny_model
+
+
+def _close(a, b, atol, what="", rtol=0):
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=atol, rtol=rtol, err_msg=what)
+
+
+def _qkv(B, H, Hk, L, S, D, seed=0):
+    k = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((B, H, L, D), key=k[0]), mx.random.normal((B, Hk, S, D), key=k[1]),
+            mx.random.normal((B, Hk, S, D), key=k[2]))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("L,S", [(37, 37), (20, 53), (1, 9)])
+@pytest.mark.parametrize("mask", ["causal", "window", "additive", None])
+def test_attention_equals_mlx(heads, L, S, mask):
+    """Grouped-query heads, queries after earlier tokens (L < S), several blocks."""
+    H, Hk = heads
+    q, k, v = _qkv(2, H, Hk, L, S, 16)
+    if mask == "window":  # a sliding layer's boolean mask, as mlx-lm builds it
+        m = create_causal_mask(L, S - L, window_size=8)
+    elif mask == "additive":
+        m = mx.random.normal((L, S)) * 3
+    else:
+        m = mask
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    out = cpu_prefill.attention(q, k, v, 0.25, m, block=8)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _close(out, ref, 1e-5, f"{heads} {L}x{S} {mask}")
+
+
+def test_activations_and_log_softmax_equal_mlx():
+    x = mx.random.normal((3, 70, 400)) * 4
+    g = mx.random.normal((3, 70, 400)) * 4
+    _close(cpu_prefill.gelu_approx(x), nn.gelu_approx(x), 1e-5)
+    _close(cpu_prefill.swiglu(g, x), nn.silu(g) * x, 1e-4)
+    logits = mx.random.normal((2, 64, 3000)) * 10
+    _close(cpu_prefill.log_softmax(logits), logits - mx.logsumexp(logits, -1, keepdims=True), 1e-5)
+    np.testing.assert_allclose(np.array(cpu_prefill.exp(x)), np.array(mx.exp(x)), rtol=1e-6)
+
+
+@pytest.fixture
+def every_pass(monkeypatch):
+    """The numpy paths for every query and activation size, in blocks of 4, counted."""
+    monkeypatch.setattr(cpu_prefill, "MIN_QUERIES", 1)
+    monkeypatch.setattr(cpu_prefill, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_prefill, "BLOCK", 4)
+    calls = {"attention": 0, "activation": 0}
+    attention, swiglu, gelu = cpu_prefill.attention, cpu_prefill.swiglu, cpu_prefill.gelu_approx
+
+    def counted(name, f):
+        def g(*a, **kw):
+            calls[name] += 1
+            return f(*a, **kw)
+        return g
+
+    monkeypatch.setattr(cpu_prefill, "attention",
+                        counted("attention", lambda q, k, v, s, m: attention(q, k, v, s, m, 4)))
+    monkeypatch.setattr(cpu_prefill, "swiglu", counted("activation", swiglu))
+    monkeypatch.setattr(cpu_prefill, "gelu_approx", counted("activation", gelu))
+    return calls
+
+
+def _prefill_off(model, tokens, cache=None, monkeypatch=None):
+    monkeypatch.setenv(cpu_prefill.ENV, "0")
+    try:
+        return prefill(model, tokens, cache)
+    finally:
+        monkeypatch.delenv(cpu_prefill.ENV)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_prefill_equals_mlx_lm_for_every_architecture(arch, every_pass, monkeypatch):
+    """The cache (every layer, sliding ones included) and the next-token logits of
+    a prefill in two chunks, with and without the numpy paths."""
+    model = tiny_model(arch, seed=1)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 97, (2, 30)))
+    fast = prefill(model, tokens[:, 19:], prefill(model, tokens[:, :19]))
+    assert every_pass["attention"] > 0 and every_pass["activation"] > 0
+    ref = _prefill_off(model, tokens[:, 19:], _prefill_off(model, tokens[:, :19],
+                                                           monkeypatch=monkeypatch),
+                       monkeypatch)
+    for i, (a, b) in enumerate(zip(fast, ref)):
+        for x, y in zip(read_layer(a)[:2], read_layer(b)[:2]):
+            _close(x, y, 1e-5, f"{arch} layer {i}", rtol=1e-4)  # float32 rounding, layer on layer
+    nxt = tokens[:, -1:]
+    _close(model(nxt, cache=fast), model(nxt, cache=ref), 1e-4, f"{arch} logits", rtol=1e-4)
+
+
+def test_only_frozen_passes_take_the_numpy_paths(every_pass):
+    """Outside frozen_passes (a training step under mx.grad) the model runs mlx's
+    own functions, so gradients flow; inside, the numpy ones."""
+    model = tiny_model("gemma3_text", seed=2)
+    tokens = mx.array([[3, 5, 7, 11, 13, 17, 19, 23, 29, 31]])
+    prefill(model, tokens[:, :3])  # installs the dispatchers
+    every_pass.update(attention=0, activation=0)
+
+    def loss(x):
+        return (model.model(tokens, input_embeddings=None) * x).sum()
+
+    g = mx.grad(loss)(mx.array(1.0))
+    mx.eval(g)
+    assert every_pass == {"attention": 0, "activation": 0}
+    assert np.isfinite(float(g))
+    with cpu_prefill.frozen_passes():
+        mx.eval(model(tokens))
+    assert every_pass["attention"] > 0 and every_pass["activation"] > 0
+
+
+def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):
+    """MLX_KVLINGO_CPU_PREFILL=0 leaves every pass to mlx; a recorder swapped into
+    the module in place of mlx-lm's function is left alone, not wrapped."""
+    from mlx_kvlingo.models import attention_weights
+
+    model = tiny_model("qwen3", seed=2)
+    tokens = mx.array([[3, 5, 7, 11, 13, 17, 19, 23]])
+    monkeypatch.setenv(cpu_prefill.ENV, "0")
+    prefill(model, tokens)
+    assert every_pass == {"attention": 0, "activation": 0}
+    monkeypatch.delenv(cpu_prefill.ENV)
+    cache, weights = attention_weights(model, tokens)
+    assert len(weights) == len(model.layers)  # the recorder saw every layer
+    _close(mx.sum(weights[0], -1), mx.ones((1, 8)), 1e-5)
