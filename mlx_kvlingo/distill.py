@@ -26,7 +26,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import cpu_prefill, distributed
+from . import cpu_math, distributed
 from .errors import KvlingoError
 from .models import (
     append_layer,
@@ -254,9 +254,9 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     teacher_cache = prefill(target, context[:, :-1])
     # Read before the continuation's pass moves the sliding windows.
     native_kv = _native_kv(target, teacher_cache, n_native) if native else (None, None)
-    with cpu_prefill.frozen_passes():
+    with cpu_math.frozen_passes():
         logits = target(inputs, cache=teacher_cache).astype(mx.float32)
-    teacher = cpu_prefill.log_softmax(logits)
+    teacher = cpu_math.log_softmax(logits)
     batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native,
                   native_keys=native_kv[0], native_values=native_kv[1])
     mx.eval(batch.src_keys, batch.src_values, batch.prefix, batch.teacher)
@@ -319,7 +319,7 @@ def kl_loss(maps, target, batch: Batch):
     keep = batch.continuation.shape[1]
     logits = last_logits(target, batch.inputs, translated_cache(target, maps, batch), keep)
     logits = logits.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    lse = cpu_math.logsumexp(logits)  # 262k entries for Gemma: numpy's exp on a CPU
     t = batch.teacher
     if batch.teacher_idx is None:
         return (mx.exp(t) * (t - (logits - lse))).sum(-1).mean()

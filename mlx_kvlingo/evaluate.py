@@ -19,7 +19,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu_prefill
+from . import cpu_math
 from .align import identity_alignment
 from .models import copy_cache, prefill
 from .switch import translate_aligned
@@ -128,9 +128,9 @@ def continuation_logprobs(model: nn.Module, context: mx.array, continuation: mx.
     """Log-probs [B, L, V] the model gives each continuation token, from ``cache``
     holding ``context[:, :-1]`` (or None for no context)."""
     inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
-    with cpu_prefill.frozen_passes():
+    with cpu_math.frozen_passes():
         logits = model(inputs, cache=cache).astype(mx.float32)
-    return cpu_prefill.log_softmax(logits)
+    return cpu_math.log_softmax(logits)
 
 
 def _nll(logprobs: mx.array, targets: mx.array) -> mx.array:
@@ -138,7 +138,7 @@ def _nll(logprobs: mx.array, targets: mx.array) -> mx.array:
 
 
 def _kl(p_log: mx.array, q_log: mx.array) -> mx.array:
-    return (cpu_prefill.exp(p_log) * (p_log - q_log)).sum(-1)
+    return (cpu_math.exp(p_log) * (p_log - q_log)).sum(-1)
 
 
 class _Totals:
@@ -253,7 +253,7 @@ def attention_cosine(target, recorded, cache) -> List[float]:
     the output of the same queries (the recorded inputs) over ``cache``'s K/V."""
     out = []
     for layer, c, (x, mask, native) in zip(target.layers, cache, recorded):
-        with cpu_prefill.frozen_passes():
+        with cpu_math.frozen_passes():
             other = layer.self_attn(x, mask, c)
         num = (native * other).sum(-1)
         den = mx.sqrt((native * native).sum(-1) * (other * other).sum(-1)) + 1e-12

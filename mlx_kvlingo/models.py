@@ -24,7 +24,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from . import cpu_prefill
+from . import cpu_math
 from .errors import KvlingoError, UnsupportedModel
 
 
@@ -623,9 +623,9 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
     cache = make_prompt_cache(model) if cache is None else cache
     body = getattr(model, "model", None)
     # A prefill is never differentiated: on the CPU its softmax may run in numpy
-    # (cpu_prefill: MLX's exp is the slowest part of a CPU prefill).
-    cpu_prefill.install(model)
-    with cpu_prefill.frozen_passes():
+    # (cpu_math: MLX's exp is the slowest part of a CPU prefill).
+    cpu_math.install(model)
+    with cpu_math.frozen_passes():
         # The inner model skips the LM head, which dominates cost for large vocabularies.
         (body if body is not None else model)(tokens, cache=cache)
     return cache

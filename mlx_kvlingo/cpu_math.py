@@ -1,25 +1,29 @@
-"""Faster frozen passes (prefills) for MLX's CPU backend.
+"""MLX's slow CPU transcendentals, done in numpy where it is safe.
 
 On the CPU MLX computes transcendental functions one element at a time: ``mx.exp``
 runs at about 30 M elements/s on this project's 2-core x86 machine, numpy's at
-about 400 M/s. A prefill spends them in two places: the attention softmax, one
-exponential per (head, query, key) — 9.4 M per layer for SmolLM2-135M over 1,024
-tokens — and the MLP's activation (SiLU, Gemma's tanh GELU), one per hidden unit
-per token. Together they were most of a CPU prefill (``benchmarks/cpu_prefill.py``).
+about 400 M/s. The work that needs them:
 
-This module computes the same functions with the matmuls in MLX (BLAS) and the
-elementwise transcendental work in numpy; the attention runs in blocks of queries
-that skip the keys a causal mask hides (half of a full prefill's scores). It is
-for frozen passes only, never under ``mx.grad`` (numpy is not differentiable):
-:func:`frozen_passes` turns it on for the calling thread, and ``models.prefill``
-uses that. Everywhere else, and on a GPU, with quantized caches or for short
-passes, mlx's and mlx-lm's own functions run.
+- a prefill's attention softmax, one exponential per (head, query, key) — 9.4 M
+  per layer for SmolLM2-135M over 1,024 tokens — and its MLP activation (SiLU,
+  Gemma's tanh GELU), one per hidden unit per token. Together they were most of a
+  CPU prefill (``benchmarks/cpu_math.py``);
+- a log-softmax over a vocabulary: Gemma's 262k entries make it ~0.5 s per 64
+  tokens, in the teacher, in every evaluation pass and, forward and backward, in
+  every stage-2 step.
 
-It is installed by replacing functions the model's code looks up at call time with
-dispatchers (:func:`install`): ``scaled_dot_product_attention`` and ``swiglu`` in
-the model's mlx-lm module, and ``mlx.nn.gelu_approx``. A dispatcher calls the
-function it replaced unless this thread is inside :func:`frozen_passes`.
-``MLX_KVLINGO_CPU_PREFILL=0`` turns it all off.
+The prefill functions keep the matmuls in MLX (BLAS) and do the elementwise
+transcendental work in numpy; the attention runs in blocks of queries that skip
+the keys a causal mask hides (half of a full prefill's scores). They are for frozen
+passes only (numpy is not differentiable): :func:`frozen_passes` turns them on for
+the calling thread, and ``models.prefill`` uses it. They are installed by
+replacing functions the model's code looks up at call time with dispatchers
+(:func:`install`): ``scaled_dot_product_attention`` and ``swiglu`` in the model's
+mlx-lm module, and ``mlx.nn.gelu_approx``. A dispatcher calls the function it
+replaced unless this thread is inside :func:`frozen_passes`; on a GPU, with
+quantized caches and for short passes mlx's and mlx-lm's own functions run.
+:func:`logsumexp` is differentiable (a custom VJP, numpy both ways), for the
+stage-2 loss. ``MLX_KVLINGO_CPU_MATH=0`` turns it all off.
 """
 
 import math
@@ -31,7 +35,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
-ENV = "MLX_KVLINGO_CPU_PREFILL"
+ENV = "MLX_KVLINGO_CPU_MATH"
 MIN_QUERIES = 32  # shorter passes (decoding, short tails) gain nothing
 MIN_ELEMENTS = 1 << 16  # smaller activations stay in MLX
 BLOCK = 256  # queries per block: bounds the scores held at once
@@ -161,6 +165,32 @@ def log_softmax(logits: mx.array) -> mx.array:
     lse = np.log(np.exp(x).sum(axis=-1, keepdims=True))
     x -= lse
     return mx.array(x)
+
+
+@mx.custom_function
+def _numpy_logsumexp(x):
+    a = _numpy(x)
+    m = a.max(axis=-1, keepdims=True)
+    a -= m
+    np.exp(a, out=a)
+    return mx.array(np.log(a.sum(axis=-1, keepdims=True)) + m)
+
+
+@_numpy_logsumexp.vjp
+def _numpy_logsumexp_vjp(primals, cotangent, output):
+    x = primals[0] if isinstance(primals, (list, tuple)) else primals
+    a = _numpy(x)
+    a -= np.array(output)
+    np.exp(a, out=a)  # the softmax: d lse / dx
+    return cotangent * mx.array(a)
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """``mx.logsumexp(x, axis=-1, keepdims=True)``, differentiable, with the
+    exponentials in numpy on the CPU. Not for ``mx.compile`` (numpy needs values)."""
+    if not (enabled() and x.size >= MIN_ELEMENTS):
+        return mx.logsumexp(x, axis=-1, keepdims=True)
+    return _numpy_logsumexp(x.astype(mx.float32))
 
 
 def exp(x: mx.array) -> mx.array:

@@ -1,4 +1,4 @@
-"""Prefill on the CPU with mlx-lm's attention and with cpu_prefill's (numpy
+"""Prefill on the CPU with mlx-lm's attention and with cpu_math's (numpy
 softmax, causal blocks), side by side in one run, on the real models.
 
 Each repetition times both paths back to back on the same tokens (the order
@@ -20,13 +20,13 @@ import time
 
 import mlx.core as mx
 
-from mlx_kvlingo import cpu_prefill
+from mlx_kvlingo import cpu_math
 from mlx_kvlingo.models import prefill, read_layer
 from mlx_kvlingo_cli.main import _load_pair
 
 
 def timed_prefill(model, tokens, fast: bool):
-    os.environ[cpu_prefill.ENV] = "1" if fast else "0"
+    os.environ[cpu_math.ENV] = "1" if fast else "0"
     t0 = time.perf_counter()
     cache = prefill(model, tokens)
     mx.eval([(c.keys, c.values) for c in cache])
@@ -73,10 +73,10 @@ def main():
                        max_kv_diff=kv_diff, max_logprob_diff=lp_diff)
             row["speedup"] = row["mlx_s"] / row["numpy_softmax_s"]
             rows.append(row)
-            print(f"{name} {T} tokens: mlx-lm {row['mlx_s']:.2f}s, cpu_prefill "
+            print(f"{name} {T} tokens: mlx-lm {row['mlx_s']:.2f}s, cpu_math "
                   f"{row['numpy_softmax_s']:.2f}s ({row['speedup']:.2f}x); max |dKV| "
                   f"{kv_diff:.1e}, max |dlogprob| {lp_diff:.1e}", flush=True)
-    os.environ.pop(cpu_prefill.ENV, None)
+    os.environ.pop(cpu_math.ENV, None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": f"{platform.machine()}, {os.cpu_count()} cores",

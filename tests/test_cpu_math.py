@@ -1,4 +1,4 @@
-"""cpu_prefill: the numpy softmax and activations compute what MLX and mlx-lm do
+"""cpu_math: the numpy softmax and activations compute what MLX and mlx-lm do
 (attention under every mask mlx-lm passes, whole prefills of every supported
 architecture), and only inside frozen passes."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from mlx_kvlingo import cpu_prefill
+from mlx_kvlingo import cpu_math
 from mlx_kvlingo.models import prefill, read_layer
 
 from tiny import CONFIGS, tiny_model
@@ -38,7 +38,7 @@ def test_attention_equals_mlx(heads, L, S, mask):
     else:
         m = mask
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
-    out = cpu_prefill.attention(q, k, v, 0.25, m, block=8)
+    out = cpu_math.attention(q, k, v, 0.25, m, block=8)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _close(out, ref, 1e-5, f"{heads} {L}x{S} {mask}")
 
@@ -46,21 +46,21 @@ def test_attention_equals_mlx(heads, L, S, mask):
 def test_activations_and_log_softmax_equal_mlx():
     x = mx.random.normal((3, 70, 400)) * 4
     g = mx.random.normal((3, 70, 400)) * 4
-    _close(cpu_prefill.gelu_approx(x), nn.gelu_approx(x), 1e-5)
-    _close(cpu_prefill.swiglu(g, x), nn.silu(g) * x, 1e-4)
+    _close(cpu_math.gelu_approx(x), nn.gelu_approx(x), 1e-5)
+    _close(cpu_math.swiglu(g, x), nn.silu(g) * x, 1e-4)
     logits = mx.random.normal((2, 64, 3000)) * 10
-    _close(cpu_prefill.log_softmax(logits), logits - mx.logsumexp(logits, -1, keepdims=True), 1e-5)
-    np.testing.assert_allclose(np.array(cpu_prefill.exp(x)), np.array(mx.exp(x)), rtol=1e-6)
+    _close(cpu_math.log_softmax(logits), logits - mx.logsumexp(logits, -1, keepdims=True), 1e-5)
+    np.testing.assert_allclose(np.array(cpu_math.exp(x)), np.array(mx.exp(x)), rtol=1e-6)
 
 
 @pytest.fixture
 def every_pass(monkeypatch):
     """The numpy paths for every query and activation size, in blocks of 4, counted."""
-    monkeypatch.setattr(cpu_prefill, "MIN_QUERIES", 1)
-    monkeypatch.setattr(cpu_prefill, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu_prefill, "BLOCK", 4)
+    monkeypatch.setattr(cpu_math, "MIN_QUERIES", 1)
+    monkeypatch.setattr(cpu_math, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_math, "BLOCK", 4)
     calls = {"attention": 0, "activation": 0}
-    attention, swiglu, gelu = cpu_prefill.attention, cpu_prefill.swiglu, cpu_prefill.gelu_approx
+    attention, swiglu, gelu = cpu_math.attention, cpu_math.swiglu, cpu_math.gelu_approx
 
     def counted(name, f):
         def g(*a, **kw):
@@ -68,19 +68,19 @@ def every_pass(monkeypatch):
             return f(*a, **kw)
         return g
 
-    monkeypatch.setattr(cpu_prefill, "attention",
+    monkeypatch.setattr(cpu_math, "attention",
                         counted("attention", lambda q, k, v, s, m: attention(q, k, v, s, m, 4)))
-    monkeypatch.setattr(cpu_prefill, "swiglu", counted("activation", swiglu))
-    monkeypatch.setattr(cpu_prefill, "gelu_approx", counted("activation", gelu))
+    monkeypatch.setattr(cpu_math, "swiglu", counted("activation", swiglu))
+    monkeypatch.setattr(cpu_math, "gelu_approx", counted("activation", gelu))
     return calls
 
 
 def _prefill_off(model, tokens, cache=None, monkeypatch=None):
-    monkeypatch.setenv(cpu_prefill.ENV, "0")
+    monkeypatch.setenv(cpu_math.ENV, "0")
     try:
         return prefill(model, tokens, cache)
     finally:
-        monkeypatch.delenv(cpu_prefill.ENV)
+        monkeypatch.delenv(cpu_math.ENV)
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -116,22 +116,59 @@ def test_only_frozen_passes_take_the_numpy_paths(every_pass):
     mx.eval(g)
     assert every_pass == {"attention": 0, "activation": 0}
     assert np.isfinite(float(g))
-    with cpu_prefill.frozen_passes():
+    with cpu_math.frozen_passes():
         mx.eval(model(tokens))
     assert every_pass["attention"] > 0 and every_pass["activation"] > 0
 
 
 def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):
-    """MLX_KVLINGO_CPU_PREFILL=0 leaves every pass to mlx; a recorder swapped into
+    """MLX_KVLINGO_CPU_MATH=0 leaves every pass to mlx; a recorder swapped into
     the module in place of mlx-lm's function is left alone, not wrapped."""
     from mlx_kvlingo.models import attention_weights
 
     model = tiny_model("qwen3", seed=2)
     tokens = mx.array([[3, 5, 7, 11, 13, 17, 19, 23]])
-    monkeypatch.setenv(cpu_prefill.ENV, "0")
+    monkeypatch.setenv(cpu_math.ENV, "0")
     prefill(model, tokens)
     assert every_pass == {"attention": 0, "activation": 0}
-    monkeypatch.delenv(cpu_prefill.ENV)
+    monkeypatch.delenv(cpu_math.ENV)
     cache, weights = attention_weights(model, tokens)
     assert len(weights) == len(model.layers)  # the recorder saw every layer
     _close(mx.sum(weights[0], -1), mx.ones((1, 8)), 1e-5)
+
+
+def test_logsumexp_and_its_gradient_equal_mlx():
+    x = mx.random.normal((2, 7, 5000)) * 5
+    w = mx.random.normal((2, 7, 1))
+
+    def loss(f):
+        return lambda x: (f(x) * w).sum()
+
+    v1, g1 = mx.value_and_grad(loss(cpu_math.logsumexp))(x)
+    v2, g2 = mx.value_and_grad(loss(lambda x: mx.logsumexp(x, -1, keepdims=True)))(x)
+    _close(v1, v2, 1e-3)
+    _close(g1, g2, 1e-7, rtol=1e-4)
+
+
+def test_stage2_loss_and_gradients_are_mlx_s(monkeypatch):
+    """The KL loss of a stage-2 step and its gradients in the maps, with the
+    vocabulary's log-sum-exp in numpy and in MLX."""
+    from mlx_kvlingo.distill import LowRankMaps, kl_loss, make_batch
+    from mlx_kvlingo.translator import Translator
+
+    monkeypatch.setattr(cpu_math, "MIN_ELEMENTS", 0)
+    src, tgt = tiny_model("qwen3", seed=1), tiny_model("gemma3_text", seed=2)
+    tokens = mx.array(np.random.default_rng(1).integers(0, 97, (2, 40)))
+    t = Translator.for_models(src, tgt, None, None)
+    maps = LowRankMaps(t, rank=4)
+    for b in maps.b_k + maps.b_v:  # a correction that is not zero
+        b += 0.01
+    batch = make_batch(src, tgt, t, tokens[:, :30], tokens[:, 30:])
+    grad = nn.value_and_grad(maps, lambda m, b: kl_loss(m, tgt, b))
+    fast = grad(maps, batch)
+    monkeypatch.setenv(cpu_math.ENV, "0")
+    ref = grad(maps, batch)
+    _close(fast[0], ref[0], 1e-6)
+    flat = lambda g: dict(__import__("mlx.utils", fromlist=["x"]).tree_flatten(g))  # noqa: E731
+    for name, g in flat(fast[1]).items():
+        _close(g, flat(ref[1])[name], 1e-6, name, rtol=1e-4)
