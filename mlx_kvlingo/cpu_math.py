@@ -12,18 +12,19 @@ about 400 M/s. The work that needs them:
   tokens, in the teacher, in every evaluation pass and, forward and backward, in
   every stage-2 step.
 
-The prefill functions keep the matmuls in MLX (BLAS) and do the elementwise
+The model functions keep the matmuls in MLX (BLAS) and do the elementwise
 transcendental work in numpy; the attention runs in blocks of queries that skip
-the keys a causal mask hides (half of a full prefill's scores). They are for frozen
-passes only (numpy is not differentiable): :func:`frozen_passes` turns them on for
-the calling thread, and ``models.prefill`` uses it. They are installed by
-replacing functions the model's code looks up at call time with dispatchers
-(:func:`install`): ``scaled_dot_product_attention`` and ``swiglu`` in the model's
-mlx-lm module, and ``mlx.nn.gelu_approx``. A dispatcher calls the function it
-replaced unless this thread is inside :func:`frozen_passes`; on a GPU, with
-quantized caches and for short passes mlx's and mlx-lm's own functions run.
-:func:`logsumexp` is differentiable (a custom VJP, numpy both ways), for the
-stage-2 loss. ``MLX_KVLINGO_CPU_MATH=0`` turns it all off.
+the keys a causal mask hides (half of a full prefill's scores). Each is an
+``mx.custom_function`` whose VJP is written out, so gradients flow through it (a
+stage-2 step differentiates the target). numpy needs values, so none of this may
+run under ``mx.compile``: a thread opts in with :func:`numpy_passes`, as
+``models.prefill``, the teacher, the evaluation and the stage-2 loss do. The
+functions are installed by replacing what the model's code looks up at call time
+with dispatchers (:func:`install`): ``scaled_dot_product_attention`` and ``swiglu``
+in the model's mlx-lm module, and ``mlx.nn.gelu_approx``. A dispatcher calls the
+function it replaced unless this thread is inside :func:`numpy_passes`; on a GPU,
+with quantized caches and for short passes mlx's and mlx-lm's own functions run.
+``MLX_KVLINGO_CPU_MATH=0`` turns it all off.
 """
 
 import math
@@ -48,19 +49,19 @@ def enabled() -> bool:
 
 
 @contextmanager
-def frozen_passes():
-    """Inside: this thread's model calls are frozen (no gradients), so long ones may
-    take the numpy path."""
-    before = getattr(_state, "frozen", False)
-    _state.frozen = True
+def numpy_passes():
+    """Inside: this thread's model calls run eagerly (not under ``mx.compile``), so
+    long ones may take the numpy functions. Gradients still flow."""
+    before = getattr(_state, "on", False)
+    _state.on = True
     try:
         yield
     finally:
-        _state.frozen = before
+        _state.on = before
 
 
-def _frozen() -> bool:
-    return getattr(_state, "frozen", False) and enabled()
+def _on() -> bool:
+    return getattr(_state, "on", False) and enabled()
 
 
 def install(model) -> bool:
@@ -92,10 +93,10 @@ def _is_dispatcher(f) -> bool:
 
 
 def _dispatch(original, fast, applies):
-    """``fast`` in frozen passes on the CPU where ``applies(*args, **kwargs)``,
+    """``fast`` inside numpy_passes on the CPU where ``applies(*args, **kwargs)``,
     ``original`` otherwise."""
     def dispatcher(*args, **kwargs):
-        if _frozen() and applies(*args, **kwargs):
+        if _on() and applies(*args, **kwargs):
             return fast(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -130,29 +131,81 @@ def _numpy(x: mx.array) -> np.ndarray:
     return np.array(x.astype(mx.float32))  # a writable copy
 
 
-def swiglu(gate, x):
-    """silu(gate) * x, as mlx-lm's ``swiglu``, the sigmoid in numpy."""
-    g = _numpy(gate)
-    s = np.negative(g)
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    s = np.negative(x)
     np.exp(s, out=s)
     s += 1
-    np.divide(g, s, out=g)
-    return (mx.array(g) * x).astype(x.dtype)
+    np.reciprocal(s, out=s)
+    return s
+
+
+@mx.custom_function
+def _swiglu_fn(gate, x):
+    g = _numpy(gate)
+    g *= _sigmoid(g)
+    return mx.array(g) * x.astype(mx.float32)
+
+
+@_swiglu_fn.vjp
+def _swiglu_vjp(primals, cotangent, output):
+    gate, x = primals
+    g = _numpy(gate)
+    s = _sigmoid(g)
+    d = 1 - s  # silu'(g) = s (1 + g (1 - s))
+    d *= g
+    d += 1
+    d *= s
+    g *= s  # silu(g)
+    return cotangent * x * mx.array(d), cotangent * mx.array(g)
+
+
+def swiglu(gate, x):
+    """silu(gate) * x, as mlx-lm's ``swiglu``, the sigmoid in numpy."""
+    return _swiglu_fn(gate, x).astype(x.dtype)
+
+
+_C = np.float32(math.sqrt(2 / math.pi))
+
+
+def _gelu_tanh(a: np.ndarray) -> np.ndarray:
+    t = a * a
+    t *= 0.044715 * a
+    t += a
+    t *= _C
+    np.tanh(t, out=t)
+    return t
+
+
+@mx.custom_function
+def _gelu_fn(x):
+    a = _numpy(x)
+    t = _gelu_tanh(a)
+    t += 1
+    t *= a
+    t *= 0.5
+    return mx.array(t)
+
+
+@_gelu_fn.vjp
+def _gelu_vjp(primals, cotangent, output):
+    x = primals[0] if isinstance(primals, (list, tuple)) else primals
+    a = _numpy(x)
+    t = _gelu_tanh(a)
+    # d/dx: 0.5 (1 + t) + 0.5 x (1 - t²) c (1 + 3 · 0.044715 x²)
+    inner = a * a
+    inner *= 3 * 0.044715
+    inner += 1
+    inner *= _C * 0.5
+    inner *= a
+    inner *= 1 - t * t
+    inner += 0.5 * (1 + t)
+    return cotangent * mx.array(inner)
 
 
 def gelu_approx(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))), as ``mlx.nn.gelu_approx``,
     the tanh in numpy."""
-    a = _numpy(x)
-    t = a * a
-    t *= 0.044715 * a
-    t += a
-    t *= np.float32(math.sqrt(2 / math.pi))
-    np.tanh(t, out=t)
-    t += 1
-    t *= a
-    t *= 0.5
-    return mx.array(t).astype(x.dtype)
+    return _gelu_fn(x).astype(x.dtype)
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -236,14 +289,33 @@ def _block_mask(mask: mx.array, a: int, b: int, H: int, Hk: int, rep: int) -> mx
     return m.reshape(m.shape[0], Hk, rep, m.shape[2], m.shape[3])
 
 
+_SOFTMAX = {}
+
+
 def _softmax(scores: mx.array, causal_block: int) -> mx.array:
-    """Softmax over the last axis in numpy; ``causal_block`` > 0: the last n columns
+    """Softmax over the last axis, in numpy; ``causal_block`` > 0: the last n columns
     are the block's diagonal square, whose upper triangle is hidden."""
-    x = np.array(scores, dtype=np.float32)  # a writable copy
-    if causal_block:
-        n = causal_block
-        x[..., -n:] += np.triu(np.full((n, n), -np.inf, np.float32), 1)
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return mx.array(x)
+    if causal_block not in _SOFTMAX:
+        _SOFTMAX[causal_block] = _softmax_function(causal_block)
+    return _SOFTMAX[causal_block](scores.astype(mx.float32))
+
+
+def _softmax_function(n: int):
+    hidden = np.triu(np.full((n, n), -np.inf, np.float32), 1) if n else None
+
+    @mx.custom_function
+    def softmax(scores):
+        x = np.array(scores)  # a writable copy
+        if n:
+            x[..., -n:] += hidden
+        x -= x.max(axis=-1, keepdims=True)
+        np.exp(x, out=x)
+        x /= x.sum(axis=-1, keepdims=True)
+        return mx.array(x)
+
+    @softmax.vjp
+    def softmax_vjp(primals, cotangent, output):
+        # The probabilities are the output: no exponential to recompute.
+        return output * (cotangent - (cotangent * output).sum(axis=-1, keepdims=True))
+
+    return softmax

@@ -254,7 +254,7 @@ def make_batch_from_features(target, src_k, src_v, prefix, n_native, context, co
     teacher_cache = prefill(target, context[:, :-1])
     # Read before the continuation's pass moves the sliding windows.
     native_kv = _native_kv(target, teacher_cache, n_native) if native else (None, None)
-    with cpu_math.frozen_passes():
+    with cpu_math.numpy_passes():
         logits = target(inputs, cache=teacher_cache).astype(mx.float32)
     teacher = cpu_math.log_softmax(logits)
     batch = Batch(src_k, src_v, prefix, context, continuation, teacher, n_native,
@@ -317,7 +317,9 @@ def kl_loss(maps, target, batch: Batch):
     truncation (which drops the tail and biases the student).
     """
     keep = batch.continuation.shape[1]
-    logits = last_logits(target, batch.inputs, translated_cache(target, maps, batch), keep)
+    cpu_math.install(target)  # its softmax and activation in numpy (cpu_math; differentiable)
+    with cpu_math.numpy_passes():
+        logits = last_logits(target, batch.inputs, translated_cache(target, maps, batch), keep)
     logits = logits.astype(mx.float32)
     lse = cpu_math.logsumexp(logits)  # 262k entries for Gemma: numpy's exp on a CPU
     t = batch.teacher

@@ -128,7 +128,7 @@ def continuation_logprobs(model: nn.Module, context: mx.array, continuation: mx.
     """Log-probs [B, L, V] the model gives each continuation token, from ``cache``
     holding ``context[:, :-1]`` (or None for no context)."""
     inputs = mx.concatenate([context[:, -1:], continuation[:, :-1]], axis=1)
-    with cpu_math.frozen_passes():
+    with cpu_math.numpy_passes():
         logits = model(inputs, cache=cache).astype(mx.float32)
     return cpu_math.log_softmax(logits)
 
@@ -253,7 +253,7 @@ def attention_cosine(target, recorded, cache) -> List[float]:
     the output of the same queries (the recorded inputs) over ``cache``'s K/V."""
     out = []
     for layer, c, (x, mask, native) in zip(target.layers, cache, recorded):
-        with cpu_math.frozen_passes():
+        with cpu_math.numpy_passes():
             other = layer.self_attn(x, mask, c)
         num = (native * other).sum(-1)
         den = mx.sqrt((native * native).sum(-1) * (other * other).sum(-1)) + 1e-12

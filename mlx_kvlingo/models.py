@@ -625,7 +625,7 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
     # A prefill is never differentiated: on the CPU its softmax may run in numpy
     # (cpu_math: MLX's exp is the slowest part of a CPU prefill).
     cpu_math.install(model)
-    with cpu_math.frozen_passes():
+    with cpu_math.numpy_passes():
         # The inner model skips the LM head, which dominates cost for large vocabularies.
         (body if body is not None else model)(tokens, cache=cache)
     return cache

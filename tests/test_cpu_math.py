@@ -1,6 +1,7 @@
-"""cpu_math: the numpy softmax and activations compute what MLX and mlx-lm do
-(attention under every mask mlx-lm passes, whole prefills of every supported
-architecture), and only inside frozen passes."""
+"""cpu_math: the numpy softmax, activations and log-sum-exp compute what MLX and
+mlx-lm do, values and gradients (attention under every mask mlx-lm passes, whole
+prefills of every supported architecture, a stage-2 loss), and only inside
+numpy_passes."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,6 +54,26 @@ def test_activations_and_log_softmax_equal_mlx():
     np.testing.assert_allclose(np.array(cpu_math.exp(x)), np.array(mx.exp(x)), rtol=1e-6)
 
 
+def _grads(f, *xs):
+    w = mx.random.normal(f(*xs).shape, key=mx.random.key(7))
+    return mx.grad(lambda *a: (f(*a) * w).sum(), argnums=tuple(range(len(xs))))(*xs)
+
+
+def test_gradients_equal_mlx():
+    """The written-out VJPs: activations, and attention under each kind of mask."""
+    x, g = mx.random.normal((2, 9, 50)) * 3, mx.random.normal((2, 9, 50)) * 3
+    _close(_grads(cpu_math.gelu_approx, x)[0], _grads(nn.gelu_approx, x)[0], 1e-5)
+    for a, b in zip(_grads(cpu_math.swiglu, g, x), _grads(lambda g, x: nn.silu(g) * x, g, x)):
+        _close(a, b, 1e-5, rtol=1e-5)
+    q, k, v = _qkv(2, 6, 2, 20, 53, 16)
+    for mask in ("causal", create_causal_mask(20, 33, window_size=8), None):
+        fast = _grads(lambda q, k, v: cpu_math.attention(q, k, v, 0.25, mask, block=8), q, k, v)
+        ref = _grads(lambda q, k, v: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=0.25, mask=mask), q, k, v)
+        for name, a, b in zip("qkv", fast, ref):
+            _close(a, b, 1e-5, f"d{name}, mask {type(mask).__name__}")
+
+
 @pytest.fixture
 def every_pass(monkeypatch):
     """The numpy paths for every query and activation size, in blocks of 4, counted."""
@@ -101,24 +122,27 @@ def test_prefill_equals_mlx_lm_for_every_architecture(arch, every_pass, monkeypa
     _close(model(nxt, cache=fast), model(nxt, cache=ref), 1e-4, f"{arch} logits", rtol=1e-4)
 
 
-def test_only_frozen_passes_take_the_numpy_paths(every_pass):
-    """Outside frozen_passes (a training step under mx.grad) the model runs mlx's
-    own functions, so gradients flow; inside, the numpy ones."""
+def test_only_numpy_passes_take_the_numpy_paths(every_pass):
+    """Outside numpy_passes (e.g. under mx.compile) the model runs mlx's own
+    functions; inside, the numpy ones, with the same gradients."""
     model = tiny_model("gemma3_text", seed=2)
     tokens = mx.array([[3, 5, 7, 11, 13, 17, 19, 23, 29, 31]])
     prefill(model, tokens[:, :3])  # installs the dispatchers
     every_pass.update(attention=0, activation=0)
+    h = model.model.embed_tokens(tokens)
 
-    def loss(x):
-        return (model.model(tokens, input_embeddings=None) * x).sum()
+    def loss(h):
+        return (model.model(tokens, input_embeddings=h) ** 2).mean()
 
-    g = mx.grad(loss)(mx.array(1.0))
-    mx.eval(g)
+    ref = mx.value_and_grad(loss)(h)
+    mx.eval(ref)
     assert every_pass == {"attention": 0, "activation": 0}
-    assert np.isfinite(float(g))
-    with cpu_math.frozen_passes():
-        mx.eval(model(tokens))
+    with cpu_math.numpy_passes():
+        fast = mx.value_and_grad(loss)(h)
+        mx.eval(fast)
     assert every_pass["attention"] > 0 and every_pass["activation"] > 0
+    _close(fast[0], ref[0], 1e-6)
+    _close(fast[1], ref[1], 1e-6, rtol=1e-4)
 
 
 def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):
@@ -150,13 +174,12 @@ def test_logsumexp_and_its_gradient_equal_mlx():
     _close(g1, g2, 1e-7, rtol=1e-4)
 
 
-def test_stage2_loss_and_gradients_are_mlx_s(monkeypatch):
+def test_stage2_loss_and_gradients_are_mlx_s(every_pass, monkeypatch):
     """The KL loss of a stage-2 step and its gradients in the maps, with the
     vocabulary's log-sum-exp in numpy and in MLX."""
     from mlx_kvlingo.distill import LowRankMaps, kl_loss, make_batch
     from mlx_kvlingo.translator import Translator
 
-    monkeypatch.setattr(cpu_math, "MIN_ELEMENTS", 0)
     src, tgt = tiny_model("qwen3", seed=1), tiny_model("gemma3_text", seed=2)
     tokens = mx.array(np.random.default_rng(1).integers(0, 97, (2, 40)))
     t = Translator.for_models(src, tgt, None, None)
@@ -165,7 +188,9 @@ def test_stage2_loss_and_gradients_are_mlx_s(monkeypatch):
         b += 0.01
     batch = make_batch(src, tgt, t, tokens[:, :30], tokens[:, 30:])
     grad = nn.value_and_grad(maps, lambda m, b: kl_loss(m, tgt, b))
+    every_pass.update(attention=0, activation=0)
     fast = grad(maps, batch)
+    assert every_pass["attention"] > 0 and every_pass["activation"] > 0
     monkeypatch.setenv(cpu_math.ENV, "0")
     ref = grad(maps, batch)
     _close(fast[0], ref[0], 1e-6)
