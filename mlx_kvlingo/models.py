@@ -622,8 +622,8 @@ def prefill(model: nn.Module, tokens: mx.array, cache: Optional[List] = None) ->
         tokens = tokens[None]
     cache = make_prompt_cache(model) if cache is None else cache
     body = getattr(model, "model", None)
-    # A prefill is never differentiated: on the CPU its softmax may run in numpy
-    # (cpu_math: MLX's exp is the slowest part of a CPU prefill).
+    # On the CPU its softmax and MLP activation run in numpy (cpu_math: MLX's exp is
+    # the slowest part of a CPU prefill); so never call prefill under mx.compile.
     cpu_math.install(model)
     with cpu_math.numpy_passes():
         # The inner model skips the LM head, which dominates cost for large vocabularies.
