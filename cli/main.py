@@ -458,6 +458,9 @@ def train(
         "computed by the target itself, as a switch with --native-tail does."),
     lr_scale: str = typer.Option(
         "none", help="'rms': scale each map's step by its RMS (lr becomes relative)."),
+    token_maps: str = typer.Option(
+        "train", help="Stage 2, with --token-layers: 'train' the token maps from their "
+        "stage-1 fit, or keep them 'frozen' at it (many token layers over-fit a small pool)."),
     budget: Optional[str] = typer.Option(
         None, help="Whole-run time budget (e.g. 1h, 45m, 3600): stage 2's step count is "
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
@@ -497,7 +500,7 @@ def train(
             DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
                           accumulate=accumulate, rank=rank, layer_ranks=layer_ranks,
                           seed=seed, lr_scale=lr_scale, native_tail=native_tail,
-                          teacher_topk=teacher_topk),
+                          teacher_topk=teacher_topk, token_maps=token_maps),
             context_lengths=tuple(_int_list(context_lengths)),
             continuation_len=continuation_len,
             eval_every=eval_every,

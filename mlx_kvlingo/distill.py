@@ -61,6 +61,10 @@ class DistillConfig:
     lr_scale: str = "none"
     native_tail: int = 0  # last context positions the target computes itself (odd micro-batches)
     teacher_topk: int = 0  # 0: full-vocabulary teacher; k: top-k + tail
+    # Token maps (spec.token_layers) in stage 2: "train" from their stage-1 fit, or
+    # "frozen" at it. Token maps on every layer hold millions of weights, and
+    # trained whole on a small pool they over-fit (benchmarks/results/ablations.md).
+    token_maps: str = "train"
 
     def schedule(self):
         warm = max(int(self.steps * self.warmup), 1)
@@ -81,14 +85,15 @@ class LowRankMaps(nn.Module):
     """Frozen maps plus a trainable low-rank correction per map: W + B A."""
 
     def __init__(self, translator: Translator, rank: int, seed: int = 0,
-                 layer_ranks: Optional[dict] = None):
+                 layer_ranks: Optional[dict] = None, train_token_maps: bool = True):
         super().__init__()
         self.base = translator
         self.base.freeze()
-        # Token maps (spec.token_layers) are small (two embeddings wide): they train
-        # whole, from their stage-1 fit, beside the correction.
-        for m in translator.k_tok + translator.v_tok:
-            m.unfreeze()
+        # Token maps (spec.token_layers) are small (two embeddings wide): by default
+        # they train whole, from their stage-1 fit, beside the correction.
+        if train_token_maps:
+            for m in translator.k_tok + translator.v_tok:
+                m.unfreeze()
         key = mx.random.key(seed)
         self.a_k, self.b_k, self.a_v, self.b_v = [], [], [], []
         for i, (km, vm) in enumerate(zip(translator.k_maps, translator.v_maps)):
@@ -372,8 +377,14 @@ class Distiller:
         target.freeze()
         layer_ranks = parse_layer_ranks(config.layer_ranks, config.rank,
                                         len(translator.spec.layer_map))
-        self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks)
+        if config.token_maps not in ("train", "frozen"):
+            raise KvlingoError(f"token_maps must be 'train' or 'frozen', not {config.token_maps!r}.")
+        train_tok = config.token_maps == "train"
+        self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks, train_tok)
                      if config.rank else translator)
+        if not train_tok:
+            for m in translator.k_tok + translator.v_tok:
+                m.freeze()
         if config.lr_scale not in ("none", "rms"):
             raise ValueError(f"lr_scale must be 'none' or 'rms', not {config.lr_scale!r}")
         # A low-rank correction starts at zero: there is no scale to keep.

@@ -152,6 +152,34 @@ def test_stage2_trains_the_token_maps_beside_the_correction():
     assert mx.abs(k5 - read_layer(translated_cache(tgt, plain, batch)[5])[0]).max().item() > 1e-2
 
 
+@pytest.mark.parametrize("rank", [0, 2])
+def test_frozen_token_maps_stay_at_their_fit_while_the_rest_trains(rank):
+    """``token_maps="frozen"``: a stage-2 step moves the correction (or, at rank 0,
+    the source maps) and leaves every token map exactly as stage 1 fitted it; the
+    default trains them."""
+    from mlx_kvlingo.distill import DistillConfig, Distiller
+
+    src, tgt = tiny_model("qwen2", seed=1), tiny_model("gemma3_text", seed=2)
+    w = mx.random.randint(0, 97, (2, 26), key=mx.random.key(9))
+    moved = {}
+    for mode in ("frozen", "train"):
+        t = _translator(src, tgt, [2, 5])
+        batch = make_batch(src, tgt, t, w[:, :20], w[:, 20:])
+        before = [mx.array(m.weight) for m in t.k_tok + t.v_tok]
+        k0 = mx.array(t.k_maps[1].weight)
+        d = Distiller(t, tgt, DistillConfig(steps=3, lr=1e-2, rank=rank, token_maps=mode))
+        for _ in range(2):
+            _, applied = d.train_step([batch])
+            assert applied
+        after = d.translator()
+        moved[mode] = max(mx.abs(a.weight - b).max().item()
+                          for a, b in zip(after.k_tok + after.v_tok, before))
+        assert mx.abs(after.k_maps[1].weight - k0).max().item() > 0.0  # the rest trains
+    assert moved["frozen"] == 0.0 and moved["train"] > 0.0
+    with pytest.raises(KvlingoError, match="token_maps"):
+        Distiller(_translator(src, tgt, [2]), tgt, DistillConfig(token_maps="thawed"))
+
+
 def test_the_shared_gram_fits_token_maps_jointly_with_the_source_terms():
     """A token layer's map is the ridge fit on [chosen source layers, token inputs]:
     the same weights as a direct solve on those columns, split into the source map
