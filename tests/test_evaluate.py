@@ -42,6 +42,37 @@ def test_identity_is_native_and_zero_maps_are_not(arch):
     assert zero.attention_cosine_mean < ident.attention_cosine_mean
 
 
+def test_totals_are_the_per_token_kl_nll_and_top1_of_the_log_probs():
+    """_Totals against a direct numpy computation on random log-probs (a vocabulary
+    wide enough for cpu_math's numpy exponentials)."""
+    from mlx_kvlingo.evaluate import _Totals
+
+    rng = np.random.default_rng(4)
+    B, L, V = 2, 5, 9000
+
+    def logprobs():
+        x = rng.normal(size=(B, L, V)).astype(np.float32) * 3
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    nat, tr, none = logprobs(), logprobs(), logprobs()
+    cont = rng.integers(0, V, (B, L))
+    tot = _Totals()
+    tot.add(mx.array(cont), mx.array(nat), mx.array(tr), mx.array(none))
+    f = tot.result(30)
+
+    def kl(p, q):
+        return (np.exp(p) * (p - q)).sum(-1)
+
+    nll = lambda lp: -np.take_along_axis(lp, cont[..., None], -1)[..., 0]
+    assert f.tokens == B * L
+    assert f.kl == pytest.approx(kl(nat, tr).mean(), rel=1e-4)
+    assert f.kl_none == pytest.approx(kl(nat, none).mean(), rel=1e-4)
+    assert f.nll_translated == pytest.approx(nll(tr).mean(), rel=1e-5)
+    assert f.top1 == pytest.approx((nat.argmax(-1) == tr.argmax(-1)).mean())
+    assert [w["kl"] for w in f.windows] == pytest.approx(kl(nat, tr).sum(-1), rel=1e-4)
+    assert "kl_none" not in f.windows[0]
+
+
 def test_native_tail_variants_are_scored_on_the_same_windows():
     m = tiny_model("qwen3", seed=2)
     rows = evaluate_translators(m, m, [_zero(m)], _windows(), 30, native_tails=(0, 8, 28))
