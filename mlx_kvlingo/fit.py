@@ -214,7 +214,13 @@ class GramAccumulator:
     Any subset of source layers is a sub-block, so the fit of every candidate layer
     set — single layers to rank them, the top-k to use them — comes from one pass
     over the data.
+
+    XᵀX is symmetric: :meth:`add` computes its upper block triangle alone (blocks
+    of ``block`` columns: a little over half the products of the full Gram, which
+    was a third of a store step) and :meth:`gram` mirrors it before a solve.
     """
+
+    block = 512  # columns per Gram block
 
     def __init__(self, source_widths: List[int], target_widths: List[int],
                  token_width: int = 0):
@@ -253,7 +259,7 @@ class GramAccumulator:
         extra = [tokens] if tokens is not None else []
         for kind, src, tgt in (("k", src_k, tgt_k), ("v", src_v, tgt_v)):
             x = mx.concatenate([rows(f) for f in list(src) + extra], axis=1)
-            self.xtx[kind] += f64(x.T @ x)
+            self._add_upper(self.xtx[kind], x)
             ys = [rows(y) for y in tgt]
             for i, y in enumerate(ys):
                 m = self.outputs[i][kind]
@@ -263,19 +269,41 @@ class GramAccumulator:
                 m.count += y.shape[0]
         self.count += x.shape[0]
 
-    def single_layer_r2(self, i: int, ridge: float) -> np.ndarray:
+    def _edges(self, n: int) -> List[int]:
+        return list(range(0, n, self.block)) + [n]
+
+    def _add_upper(self, total: np.ndarray, x: mx.array):
+        """``total`` += the upper block triangle of xᵀx (block rows a..b, columns a..)."""
+        edges = self._edges(x.shape[1])
+        for a, b in zip(edges[:-1], edges[1:]):
+            total[a:b, a:] += np.asarray(x[:, a:b].T @ x[:, a:], dtype=np.float64)
+
+    def gram(self, kind: str) -> np.ndarray:
+        """XᵀX for ``kind`` ("k" or "v"): the accumulated upper block triangle,
+        mirrored into the lower one in place (after every add and any sum over
+        ranks, only the upper triangle is current)."""
+        xtx = self.xtx[kind]
+        edges = self._edges(len(xtx))
+        for a, b in zip(edges[:-1], edges[1:]):
+            xtx[b:, a:b] = xtx[a:b, b:].T
+        return xtx
+
+    def single_layer_r2(self, i: int, ridge: float, grams=None) -> np.ndarray:
         """[n_source_layers]: mean of the K and V R² of target layer i's map from each
-        source layer alone."""
+        source layer alone. ``grams``: {kind: :meth:`gram`}, when the caller has them."""
+        grams = grams or {kind: self.gram(kind) for kind in "kv"}
         out = np.zeros(self.n_source)
         for j in range(self.n_source):
             cols = self.columns([j])
-            out[j] = np.mean([ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)[1]
+            out[j] = np.mean([ridge_solve(grams[kind], self.outputs[i][kind], ridge, cols)[1]
                               for kind in "kv"])
         return out
 
     def ranked_layers(self, ridge: float) -> List[List[int]]:
         """Per target layer, source layers from best to worst single-layer R²."""
-        return [list(np.argsort(-self.single_layer_r2(i, ridge))) for i in range(len(self.outputs))]
+        grams = {kind: self.gram(kind) for kind in "kv"}
+        return [list(np.argsort(-self.single_layer_r2(i, ridge, grams)))
+                for i in range(len(self.outputs))]
 
     def translator(self, spec: TranslatorSpec, layer_map: List[List[int]],
                    ridge: float) -> Tuple[Translator, FitReport]:
@@ -286,13 +314,14 @@ class GramAccumulator:
         if t.spec.token_layers and len(self.widths) == self.n_source:
             raise ValueError("token maps need an accumulator with token columns")
         report = FitReport(tokens=self.count)
+        grams = {kind: self.gram(kind) for kind in "kv"}
         for i, layers in enumerate(t.spec.layer_map):
             cols = self.columns(layers)
             n = len(cols)
             if i in t.spec.token_layers:  # fitted jointly with the source terms
                 cols = np.concatenate([cols, self.columns([self.n_source])])
             for kind, maps, r2 in (("k", t.k_maps, report.r2_keys), ("v", t.v_maps, report.r2_values)):
-                w, r = ridge_solve(self.xtx[kind], self.outputs[i][kind], ridge, cols)
+                w, r = ridge_solve(grams[kind], self.outputs[i][kind], ridge, cols)
                 maps[i].weight = mx.array(w[:, :n].astype(np.float32))
                 if len(cols) > n:
                     t.token_map(i, kind).weight = mx.array(w[:, n:].astype(np.float32))

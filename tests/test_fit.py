@@ -92,6 +92,38 @@ def test_stage1_between_different_models_beats_no_context(docstring_pair):
     assert fitted.nll_translated < fitted.nll_none
 
 
+def test_the_shared_gram_from_its_upper_blocks_is_the_full_product():
+    """The Gram accumulates only its upper block triangle; mirrored, it is XᵀX (over
+    several adds, block edges that cut layers), and the fit is the same for any
+    block size."""
+    from mlx_kvlingo.fit import GramAccumulator
+
+    src, tgt = tiny_model("llama", seed=3), tiny_model("qwen3", seed=4)
+    t = Translator.for_models(src, tgt, native_prefix=1)
+    geo_s = [g.width for g in t.spec.source.cache_geometry.layers]
+    geo_t = [g.width for g in t.spec.target.cache_geometry.layers]
+    batches = []
+    for seed in (5, 6):
+        tokens = mx.random.randint(0, 97, (2, 40), key=mx.random.key(seed))
+        sk, sv, _ = _features(src, tokens)
+        tk, tv, _ = _features(tgt, tokens)
+        batches.append((sk, sv, tk, tv))
+    fits = []
+    for block in (24, 10_000):
+        gram = GramAccumulator(geo_s, geo_t)
+        gram.block = block
+        for b in batches:
+            gram.add(*b, skip=1)
+        x = np.concatenate([np.concatenate([np.array(f[:, 1:]).reshape(-1, f.shape[-1])
+                                            for f in b[1]], axis=1) for b in batches])
+        np.testing.assert_allclose(gram.gram("v"), x.T @ x, rtol=1e-5, atol=1e-3)
+        layer_map = [[0, len(geo_s) - 1]] * len(geo_t)
+        fits.append(gram.translator(t.spec, layer_map, 1e-3)[0])
+    assert sum(geo_s) > 24  # several blocks
+    for a, b in zip(fits[0].k_maps + fits[0].v_maps, fits[1].k_maps + fits[1].v_maps):
+        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-5, atol=1e-6)
+
+
 def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
     """Every layer subset is a sub-block of one Gram matrix: the maps chosen from it
     equal maps fitted directly on the chosen layers."""
