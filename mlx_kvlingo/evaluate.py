@@ -137,8 +137,10 @@ def _nll(logprobs: mx.array, targets: mx.array) -> mx.array:
     return -mx.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
 
 
-def _kl(p: mx.array, p_log: mx.array, q_log: mx.array) -> mx.array:
-    """KL(p ‖ q) per position; ``p`` = exp(``p_log``), computed once by the caller."""
+def _kl(p_log: mx.array, q_log: mx.array, p: Optional[mx.array] = None) -> mx.array:
+    """KL(p ‖ q) per position. ``p``: exp(``p_log``), when the caller has it (one
+    exponential of a 262k vocabulary serves several KLs against the same ``p``)."""
+    p = cpu_math.exp(p_log) if p is None else p
     return (p * (p_log - q_log)).sum(-1)
 
 
@@ -167,9 +169,9 @@ class _Totals:
             native=_nll(native, continuation).sum(-1),
             translated=_nll(translated, continuation).sum(-1),
             none=_nll(none, continuation).sum(-1),
-            kl=_kl(p, native, translated).sum(-1),
+            kl=_kl(native, translated, p).sum(-1),
             top1=(native.argmax(-1) == translated.argmax(-1)).sum(-1),
-            kl_none=_kl(p, native, none).sum(-1),
+            kl_none=_kl(native, none, p).sum(-1),
         )
         mx.eval(per)
         for b in range(continuation.shape[0]):
