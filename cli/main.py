@@ -460,7 +460,7 @@ def train(
         "none", help="'rms': scale each map's step by its RMS (lr becomes relative)."),
     token_maps: str = typer.Option(
         "train", help="Stage 2, with --token-layers: 'train' the token maps from their "
-        "stage-1 fit, or keep them 'frozen' at it (many token layers over-fit a small pool)."),
+        "stage-1 fit, or keep them 'frozen' at it (better with token maps on many layers)."),
     budget: Optional[str] = typer.Option(
         None, help="Whole-run time budget (e.g. 1h, 45m, 3600): stage 2's step count is "
         "chosen, after stage 1 and a timed probe step, so the run ends within it "
