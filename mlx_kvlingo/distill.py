@@ -86,15 +86,15 @@ class LowRankMaps(nn.Module):
     """Frozen maps plus a trainable low-rank correction per map: W + B A."""
 
     def __init__(self, translator: Translator, rank: int, seed: int = 0,
-                 layer_ranks: Optional[dict] = None, train_token_maps: bool = True):
+                 layer_ranks: Optional[dict] = None):
         super().__init__()
         self.base = translator
         self.base.freeze()
-        # Token maps (spec.token_layers) are small (two embeddings wide): by default
-        # they train whole, from their stage-1 fit, beside the correction.
-        if train_token_maps:
-            for m in translator.k_tok + translator.v_tok:
-                m.unfreeze()
+        # Token maps (spec.token_layers) are small (two embeddings wide): they train
+        # whole, from their stage-1 fit, beside the correction (unless the Distiller's
+        # config freezes them).
+        for m in translator.k_tok + translator.v_tok:
+            m.unfreeze()
         key = mx.random.key(seed)
         self.a_k, self.b_k, self.a_v, self.b_v = [], [], [], []
         for i, (km, vm) in enumerate(zip(translator.k_maps, translator.v_maps)):
@@ -380,10 +380,9 @@ class Distiller:
                                         len(translator.spec.layer_map))
         if config.token_maps not in ("train", "frozen"):
             raise KvlingoError(f"token_maps must be 'train' or 'frozen', not {config.token_maps!r}.")
-        train_tok = config.token_maps == "train"
-        self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks, train_tok)
+        self.maps = (LowRankMaps(translator, config.rank, config.seed, layer_ranks)
                      if config.rank else translator)
-        if not train_tok:
+        if config.token_maps == "frozen":  # before the optimizer reads what trains
             for m in translator.k_tok + translator.v_tok:
                 m.freeze()
         if config.lr_scale not in ("none", "rms"):
