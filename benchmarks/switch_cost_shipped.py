@@ -1,47 +1,93 @@
 """Switch cost of the shipped translators against earlier ones, interleaved in one process:
 median time to first token after `switch_text` (translation, 16-token native tail, first
-step) for each, and one re-prefill of the target, on Austen text.
+step) for each, and re-prefills of the target (interleaved too), on Austen text.
 
-    python benchmarks/switch_cost_shipped.py OLD_DIR [TOKENS [ROUNDS]]
+    python benchmarks/switch_cost_shipped.py OLD_DIR [--tokens 2048] [--rounds 4] \
+        [--json benchmarks/results/switch-cost-shipped.json] [--note "conditions"]
 
 OLD_DIR holds the earlier smollm2-to-gemma3 / gemma3-to-smollm2 .safetensors files (e.g.
-`git show ddcbd2e~1:mlx_kvlingo/assets/translators/...`, the top-6 files).
+`git show REV:mlx_kvlingo/assets/translators/...`); a direction whose file is missing
+there is timed with the shipped file alone.
 """
-import mlx_kvlingo  # noqa
-import json, statistics, sys, time
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
 import mlx.core as mx
-from mlx_kvlingo_cli.main import _load_pair
+
+from mlx_kvlingo import data
 from mlx_kvlingo.align import tokenize_with_offsets
 from mlx_kvlingo.models import prefill
-from mlx_kvlingo.switch import switch_text, first_step
+from mlx_kvlingo.shipped import ASSETS, SHIPPED
+from mlx_kvlingo.switch import first_step, switch_text
 from mlx_kvlingo.translator import load_translator
-from mlx_kvlingo import data
+from mlx_kvlingo_cli.main import _load_pair
 
-old_dir = sys.argv[1]
-pairs = [("smollm2", "gemma3", f"{old_dir}/smollm2-to-gemma3.safetensors", "mlx_kvlingo/assets/translators/smollm2-to-gemma3.safetensors"),
-         ("gemma3", "smollm2", f"{old_dir}/gemma3-to-smollm2.safetensors", "mlx_kvlingo/assets/translators/gemma3-to-smollm2.safetensors")]
-n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
-rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-out = {}
-for s, t, old, new in pairs:
-    src, stok, tgt, ttok = _load_pair(s, t)
+
+def austen_text(tokenizer, n_tokens: int) -> str:
+    """The first ``n_tokens`` target tokens of the novels, as text."""
     text = "\n\n".join(txt for _, txt in data.read_corpus("austen"))
-    ids = ttok.encode(text[:n_tokens * 8])[:n_tokens]
-    text = ttok.decode(ids)
-    st = tokenize_with_offsets(stok, text)
-    cache = prefill(src, mx.array(st[0])[None]); mx.eval([(c.keys, c.values) for c in cache])
-    trs = {"previous, top-6": load_translator(old), "shipped now, top-18 (8-bit file)": load_translator(new)}
-    times = {k: [] for k in trs}
-    for r in range(rounds + 1):
-        for name, tr in trs.items():
+    return tokenizer.decode(tokenizer.encode(text[:n_tokens * 8])[:n_tokens])
+
+
+def time_direction(source: str, target: str, old: Path, tokens: int, rounds: int) -> dict:
+    src, stok, tgt, ttok = _load_pair(source, target)
+    text = austen_text(ttok, tokens)
+    source_tokens = tokenize_with_offsets(stok, text)
+    cache = prefill(src, mx.array(source_tokens[0])[None])
+    mx.eval([(c.keys, c.values) for c in cache])
+    translators = {"shipped now": load_translator(ASSETS / SHIPPED[(source, target)])}
+    if old.is_file():
+        translators["previous"] = load_translator(old)
+    target_ids = mx.array(ttok.encode(text))[None]
+
+    def switch(tr):
+        res = switch_text(src, stok, tgt, ttok, tr, text, source_cache=cache,
+                          native_tail=16, source_tokens=source_tokens)
+        mx.eval(first_step(tgt, res))
+
+    def reprefill():
+        c = prefill(tgt, target_ids)
+        mx.eval([(x.keys, x.values) for x in c])
+
+    runs = {**{name: (lambda tr=tr: switch(tr)) for name, tr in translators.items()},
+            "re-prefill": reprefill}
+    times = {name: [] for name in runs}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, run in runs.items():
             t0 = time.perf_counter()
-            res = switch_text(src, stok, tgt, ttok, tr, text, source_cache=cache, native_tail=16, source_tokens=st)
-            mx.eval(first_step(tgt, res))
+            run()
             if r:
                 times[name].append(time.perf_counter() - t0)
-    t0 = time.perf_counter(); c2 = prefill(tgt, mx.array(ttok.encode(text))[None]); mx.eval([(c.keys, c.values) for c in c2]); reprefill = time.perf_counter() - t0
-    med = {k: statistics.median(v) for k, v in times.items()}
-    out[f"{s}->{t}"] = {"tokens": n_tokens, "switch_s": med, "reprefill_s": reprefill,
-                        "ratio_shipped_over_previous": med["shipped now, top-18 (8-bit file)"] / med["previous, top-6"]}
-    print(json.dumps(out[f"{s}->{t}"]), flush=True)
-json.dump(out, open("switch-cost-shipped.json", "w"), indent=1)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    out = {"tokens": tokens, "rounds": rounds, "median_s": med,
+           "reprefill_over_switch": med["re-prefill"] / med["shipped now"]}
+    if "previous" in med:
+        out["shipped_over_previous"] = med["shipped now"] / med["previous"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old_dir", type=Path)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--note", default="", help="Conditions of the run, kept in the JSON.")
+    args = ap.parse_args()
+    out = {}
+    for (source, target), name in SHIPPED.items():
+        out[f"{source}->{target}"] = r = time_direction(
+            source, target, args.old_dir / name, args.tokens, args.rounds)
+        print(json.dumps({f"{source}->{target}": r}), flush=True)
+    out["conditions"] = args.note
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

