@@ -130,9 +130,12 @@ def test_only_numpy_passes_take_the_numpy_paths(every_pass):
     prefill(model, tokens[:, :3])  # installs the dispatchers
     every_pass.update(attention=0, activation=0)
     h = model.model.embed_tokens(tokens)
+    # A random projection of the normed hidden states: their mean square alone is
+    # constant (the final norm fixes it), so its gradient would be rounding noise.
+    w = mx.random.normal((*tokens.shape, model.args.hidden_size), key=mx.random.key(3))
 
     def loss(h):
-        return (model.model(tokens, input_embeddings=h) ** 2).mean()
+        return (model.model(tokens, input_embeddings=h) * w).mean()
 
     ref = mx.value_and_grad(loss)(h)
     mx.eval(ref)
@@ -142,7 +145,7 @@ def test_only_numpy_passes_take_the_numpy_paths(every_pass):
         mx.eval(fast)
     assert every_pass["attention"] > 0 and every_pass["activation"] > 0
     _close(fast[0], ref[0], 1e-6)
-    _close(fast[1], ref[1], 1e-6, rtol=1e-4)
+    _close(fast[1], ref[1], 1e-5, rtol=1e-4)  # entries up to ~1.4: float32 rounding
 
 
 def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):

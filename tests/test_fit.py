@@ -120,8 +120,10 @@ def test_the_shared_gram_from_its_upper_blocks_is_the_full_product():
         layer_map = [[0, len(geo_s) - 1]] * len(geo_t)
         fits.append(gram.translator(t.spec, layer_map, 1e-3)[0])
     assert sum(geo_s) > 24  # several blocks
+    # Weights up to ~1, solved from Grams summed in another order: float32 rounding
+    # through the solve moves entries by a few 1e-6 (2.5e-6 seen, one BLAS thread).
     for a, b in zip(fits[0].k_maps + fits[0].v_maps, fits[1].k_maps + fits[1].v_maps):
-        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(a.weight), np.array(b.weight), rtol=1e-5, atol=2e-5)
 
 
 def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
