@@ -722,6 +722,7 @@ def build_cache(
     values: List[mx.array],
     start: int = 0,
     cache: Optional[List] = None,
+    length: Optional[int] = None,
 ) -> List:
     """Write content-space K/V ([B, T, heads*head_dim] per layer) into a target cache.
 
@@ -729,7 +730,9 @@ def build_cache(
     everything is cast to the model's dtype. With ``cache`` given, the tokens are
     appended to it (its length must equal ``start``); otherwise a fresh cache of the
     types ``make_prompt_cache`` makes is filled. Sliding-window layers keep only
-    the last ``window`` positions, in temporal order.
+    the last ``window`` positions, in temporal order. ``length``: the T positions
+    written (default: each layer's rows); a sliding-window layer may then hold only
+    the last rows of them, at least as many as it keeps.
     """
     geometry = cache_geometry(model)
     dtype = cache_dtype(model)
@@ -738,8 +741,10 @@ def build_cache(
         cache = make_prompt_cache(model)
     for i, (c, lg) in enumerate(zip(cache, geometry.layers)):
         k, v = keys[i], values[i]
-        T = k.shape[1]
-        if lg.window is not None and T > lg.window:
+        T = k.shape[1] if length is None else length
+        if k.shape[1] != T and (lg.window is None or k.shape[1] < min(T, lg.window)):
+            raise KvlingoError(f"Layer {i} has {k.shape[1]} rows for {T} positions.")
+        if lg.window is not None and k.shape[1] > lg.window:
             # Positions before the last `window` are never attended to again.
             k, v = k[:, -lg.window :], v[:, -lg.window :]
         k_start = start + T - k.shape[1]

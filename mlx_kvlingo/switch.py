@@ -170,11 +170,28 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
             rows = mx.array([i - first for i in idx])
             keys = [k[:, rows] if k is not None else None for k in keys]
             values = [v[:, rows] if v is not None else None for v in values]
-        tk, tv = translator(keys, values, _token_rows(target, translator, target_tokens, lo, hi))
+        token_rows = _token_rows(target, translator, target_tokens, lo, hi)
+        keep = _kept_rows(target, hi - lo)
+        if keep and isinstance(translator, Translator):
+            # A sliding-window layer maps only the positions it keeps (a long
+            # conversation span would otherwise map rows build_cache then drops).
+            tk, tv = translator(keys, values, token_rows, keep=keep)
+        else:
+            tk, tv = translator(keys, values, token_rows)
         if _native_layer0(translator):  # computed by the target, not translated
             tk[0], tv[0] = layer0_features(target, target_tokens[:, lo:hi])
-        target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache)
+        target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache,
+                                   length=hi - lo)
     return target_cache
+
+
+def _kept_rows(target, n: int) -> Optional[List[Optional[int]]]:
+    """Per target layer, how many of ``n`` new positions its cache keeps: the window
+    of a sliding-window layer shorter than ``n``, else None (all); None when every
+    layer keeps all."""
+    keep = [lg.window if lg.window is not None and n > lg.window else None
+            for lg in cache_geometry(target).layers]
+    return keep if any(keep) else None
 
 
 def _native_layer0(translator) -> bool:

@@ -184,24 +184,27 @@ class Translator(nn.Module):
         return self.spec.alignment != "shared"
 
     def __call__(self, keys: List[mx.array], values: List[mx.array],
-                 tokens: Optional[mx.array] = None):
+                 tokens: Optional[mx.array] = None, keep: Optional[List] = None):
         """Map source content-space K/V (lists over source layers of [B, T, width])
         to target content-space K/V (lists over target layers). ``tokens``: the
         target's :func:`~mlx_kvlingo.models.token_inputs` of the same positions,
-        needed when ``spec.token_layers`` is not empty."""
-        out_k, out_v = self.map_sources(keys, values)
-        return self.add_token_terms(out_k, out_v, tokens)
+        needed when ``spec.token_layers`` is not empty. ``keep``: per target layer,
+        map only the last ``keep[i]`` positions (None: all), e.g. the rows a
+        sliding-window layer keeps; that layer's output then has only those rows."""
+        out_k, out_v = self.map_sources(keys, values, keep)
+        return self.add_token_terms(out_k, out_v, tokens, keep)
 
-    def map_sources(self, keys: List[mx.array], values: List[mx.array]):
+    def map_sources(self, keys: List[mx.array], values: List[mx.array],
+                    keep: Optional[List] = None):
         """The maps' source terms alone (all of a translator without token layers)."""
         out_k, out_v = [], []
-        for layers, km, vm in zip(self.spec.layer_map, self.k_maps, self.v_maps):
-            out_k.append(km(_concat([keys[j] for j in layers])))
-            out_v.append(vm(_concat([values[j] for j in layers])))
+        for i, (layers, km, vm) in enumerate(zip(self.spec.layer_map, self.k_maps, self.v_maps)):
+            out_k.append(km(_concat([_last_rows(keys[j], keep, i) for j in layers])))
+            out_v.append(vm(_concat([_last_rows(values[j], keep, i) for j in layers])))
         return out_k, out_v
 
     def add_token_terms(self, out_k: List[mx.array], out_v: List[mx.array],
-                        tokens: Optional[mx.array]):
+                        tokens: Optional[mx.array], keep: Optional[List] = None):
         """``out_k``/``out_v`` (per target layer) plus the token maps' terms."""
         if not self.spec.token_layers:
             return out_k, out_v
@@ -212,8 +215,9 @@ class Translator(nn.Module):
             )
         out_k, out_v = list(out_k), list(out_v)
         for i, kt, vt in zip(self.spec.token_layers, self.k_tok, self.v_tok):
-            out_k[i] = out_k[i] + kt(tokens).astype(out_k[i].dtype)
-            out_v[i] = out_v[i] + vt(tokens).astype(out_v[i].dtype)
+            x = _last_rows(tokens, keep, i)
+            out_k[i] = out_k[i] + kt(x).astype(out_k[i].dtype)
+            out_v[i] = out_v[i] + vt(x).astype(out_v[i].dtype)
         return out_k, out_v
 
     def token_map(self, layer: int, kind: str) -> Optional[nn.Linear]:
@@ -310,6 +314,12 @@ class Translator(nn.Module):
 
 def _quantizable(shape) -> bool:
     return len(shape) == 2 and shape[-1] % QUANT_GROUP == 0
+
+
+def _last_rows(x: mx.array, keep: Optional[List], layer: int) -> mx.array:
+    """The positions (axis 1) of ``x`` that target layer ``layer`` is mapped over."""
+    n = keep[layer] if keep else None
+    return x[:, -n:] if n else x
 
 
 def _concat(xs: List[mx.array]) -> mx.array:

@@ -131,11 +131,14 @@ def _layers(cache):
     return [read_layer(c) for c in cache]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "llama_traditional", "gemma3_text"])
-def test_fresh_cache_path_equals_the_layer_by_layer_path(arch):
+@pytest.mark.parametrize("arch, token_layers", [("qwen3", ()), ("llama", ()),
+                                                 ("llama_traditional", ()), ("gemma3_text", ()),
+                                                 ("gemma3_text", (0, 2, 5))])
+def test_fresh_cache_path_equals_the_layer_by_layer_path(arch, token_layers):
     """Translating into a fresh cache (buffers written in place, fused rotations,
     sliding layers translating only their window) builds the same cache as
-    extending an empty one through the general path, for a random translator."""
+    extending an empty one through the general path (where sliding layers map only
+    the rows they keep, token maps included), for a random translator."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_kvlingo.align import NATIVE, identity_alignment
@@ -143,7 +146,8 @@ def test_fresh_cache_path_equals_the_layer_by_layer_path(arch):
     from tiny import tiny_model
 
     m = tiny_model(arch)
-    t = _random_translator(m, m, sources_per_layer=2 if arch == "llama" else 1)
+    t = _random_translator(m, m, sources_per_layer=2 if arch == "llama" else 1,
+                           token_layers=token_layers)
     tokens = mx.random.randint(0, 97, (1, 30), key=mx.random.key(2))
     source_cache = prefill(m, tokens[:, :29])
     # A source that read 59 tokens for the target's 30 (a cross-tokenizer pair whose
