@@ -19,13 +19,13 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_kvlingo import data
 from mlx_kvlingo.align import align_text, tokenize_with_offsets
 from mlx_kvlingo.models import prefill
 from mlx_kvlingo.shipped import shipped_translator
 from mlx_kvlingo.switch import _translate
 from mlx_kvlingo.translator import load_translator
 from mlx_kvlingo_cli.main import _load_pair
+from switch_cost_shipped import austen_text  # this folder's: the same text
 
 TAIL = 16  # positions left to the target, as with the shipped files' native tail
 
@@ -38,10 +38,9 @@ def main():
     args = ap.parse_args()
     src, stok, tgt, ttok = _load_pair("smollm2", "gemma3")
     tr = load_translator(shipped_translator("smollm2", "gemma3"))
-    text = "\n\n".join(t for _, t in data.read_corpus("austen"))
     out = {}
     for n in map(int, args.tokens.split(",")):
-        ctx = ttok.decode(ttok.encode(text[: n * 8])[:n])
+        ctx = austen_text(ttok, n)
         st = tokenize_with_offsets(stok, ctx)
         source_cache = prefill(src, mx.array(st[0])[None])
         mx.eval([(c.keys, c.values) for c in source_cache])

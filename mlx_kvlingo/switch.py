@@ -170,14 +170,10 @@ def _translate(source, target, translator, source_cache, target_cache, alignment
             rows = mx.array([i - first for i in idx])
             keys = [k[:, rows] if k is not None else None for k in keys]
             values = [v[:, rows] if v is not None else None for v in values]
-        token_rows = _token_rows(target, translator, target_tokens, lo, hi)
-        keep = _kept_rows(target, hi - lo)
-        if keep and isinstance(translator, Translator):
-            # A sliding-window layer maps only the positions it keeps (a long
-            # conversation span would otherwise map rows build_cache then drops).
-            tk, tv = translator(keys, values, token_rows, keep=keep)
-        else:
-            tk, tv = translator(keys, values, token_rows)
+        # A sliding-window layer maps only the positions it keeps (a long
+        # conversation span would otherwise map rows build_cache then drops).
+        tk, tv = translator(keys, values, _token_rows(target, translator, target_tokens, lo, hi),
+                            keep=_kept_rows(target, hi - lo))
         if _native_layer0(translator):  # computed by the target, not translated
             tk[0], tv[0] = layer0_features(target, target_tokens[:, lo:hi])
         target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache,
