@@ -15,16 +15,16 @@ benchmarks/paired_cbr.py.
         --out runs/attn-g2s
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.fit import AttentionValueAccumulator, MomentAccumulator
-from mlx_kvlingo.translator import Translator, load_translator
-from mlx_kvlingo_cli.main import _load_pair, _pair_data
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.train.fit import AttentionValueAccumulator, MomentAccumulator
+from mlx_kvlingo.train.samples import pair_data
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
 def main():
@@ -39,12 +39,12 @@ def main():
     ap.add_argument("--ridge", type=float, default=1e-3)
     args = ap.parse_args()
 
-    src, src_tok, tgt, tgt_tok = _load_pair(args.source, args.target)
+    src, src_tok, tgt, tgt_tok = load_pair(args.source, args.target)
     like = load_translator(args.layer_map_from)
     like.check_models(src, tgt, src_tok, tgt_tok)
     spec = replace(like.spec, training={}, native_tail=0)
     plain = Translator(spec)
-    pair = _pair_data(args.corpus, src_tok, tgt_tok)
+    pair = pair_data(args.corpus, src_tok, tgt_tok)
     windows = max(args.fit_tokens // args.context_len, 1)
     moments = MomentAccumulator(plain)
     weighted = AttentionValueAccumulator.for_translator(plain)

@@ -11,8 +11,6 @@ benchmarks/results/blas-demo.{json,md}. Needs the system OpenBLAS installed
     python benchmarks/blas_demo.py --rounds 3      # ~5 minutes on an idle 2-core machine
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS)
-
 import argparse
 import json
 import os
@@ -23,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS)
 from mlx_kvlingo import blas
-from mlx_kvlingo.bench import environment
+from mlx_kvlingo.measure.ttft import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLI = [sys.executable, "-m", "mlx_kvlingo_cli.main"]

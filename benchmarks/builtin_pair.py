@@ -10,8 +10,6 @@ and .md; with --install, also the stage-2 translator the package ships
     python benchmarks/builtin_pair.py --install     # ~5-10 minutes on a 2-core CPU
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS)
-
 import argparse
 import json
 import os
@@ -19,10 +17,16 @@ import platform
 import time
 from pathlib import Path
 
-from mlx_kvlingo import blas, toy
-from mlx_kvlingo.bootstrap import benefit_interval, cbr_interval, paired_cbr_difference
-from mlx_kvlingo.bootstrap import per_window_fidelity
-from mlx_kvlingo.models import load
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS)
+from mlx_kvlingo import blas
+from mlx_kvlingo.measure.bootstrap import (
+    benefit_interval,
+    cbr_interval,
+    paired_cbr_difference,
+    per_window_fidelity,
+)
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.pairs import toy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -57,7 +61,7 @@ def main():
         src_dir, tgt_dir = tgt_dir, src_dir
     src, stok = load(src_dir)
     tgt, ttok = load(tgt_dir)
-    pair = toy.toy_pair_data(stok)
+    pair = toy.toypair_data(stok)
     t0 = time.perf_counter()
     stage1, report = toy.fit_translator(src, stok, tgt, ttok, pair, args.fit_tokens)
     fit_s = time.perf_counter() - t0

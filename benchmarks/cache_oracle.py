@@ -24,8 +24,6 @@ position by position): 384 tokens for Gemma 3 (window 512). The translator is th
 shipped one unless ``--translator`` names a file.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 from pathlib import Path
@@ -33,12 +31,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_kvlingo.evaluate import _nll, continuation_logprobs
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.shipped import load_shipped
-from mlx_kvlingo.switch import translate_aligned
-from mlx_kvlingo.translator import load_translator
-from mlx_kvlingo_cli.main import _load_pair, _pair_data
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.measure.evaluate import continuation_logprobs
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.pairs.shipped import load_shipped
+from mlx_kvlingo.switching.api import translate_aligned
+from mlx_kvlingo.train.samples import pair_data
+from mlx_kvlingo.translator.maps import load_translator
 
 CLASSES = ("bigram", "token", "new")
 
@@ -91,9 +91,9 @@ def main():
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    src, stok, tgt, ttok = _load_pair(args.source, args.target)
+    src, stok, tgt, ttok = load_pair(args.source, args.target)
     tr = load_translator(args.translator) if args.translator else load_shipped(args.source, args.target)
-    items = _pair_data(args.corpus, stok, ttok).heldout(
+    items = pair_data(args.corpus, stok, ttok).heldout(
         args.context_len, args.continuation_len, args.windows)
     variants = oracle_variants(tgt, args.groups)
     sums = {v: dict.fromkeys(CLASSES, 0.0) for v in ["none", "native", *variants]}
@@ -104,7 +104,7 @@ def main():
         n = context.shape[1] - 1
 
         def nll(cache):
-            return np.array(_nll(continuation_logprobs(tgt, context, cont, cache), cont)[0])
+            return np.array(nll(continuation_logprobs(tgt, context, cont, cache), cont)[0])
 
         nll_of = {"native": nll(prefill(tgt, context[:, :-1])),
                   "none": nll(prefill(tgt, context[:, : s.special_prefix])

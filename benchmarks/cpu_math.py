@@ -9,8 +9,6 @@ and of the next-token log-probabilities).
     python benchmarks/prefill_attention.py --json benchmarks/results/prefill-attention.json
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import os
@@ -20,9 +18,10 @@ import time
 
 import mlx.core as mx
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo import cpu_math
-from mlx_kvlingo.models import prefill, read_layer
-from mlx_kvlingo_cli.main import _load_pair
+from mlx_kvlingo.models.cache import prefill, read_layer
+from mlx_kvlingo.models.load import load_pair
 
 
 def timed_prefill(model, tokens, fast: bool):
@@ -46,7 +45,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    src, _, tgt, _ = _load_pair("smollm2", "gemma3")
+    src, _, tgt, _ = load_pair("smollm2", "gemma3")
     rows = []
     for name, model in (("SmolLM2-135M", src), ("Gemma 3 270M", tgt)):
         for T in [int(x) for x in args.lengths.split(",")]:

@@ -22,8 +22,6 @@ frozen maps run once per sample (timed apart, and amortized over the recipe's 30
 epochs) and every later step reuses their outputs.)
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import statistics
@@ -31,15 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from mlx_kvlingo import data
-from mlx_kvlingo.bench import environment
-from mlx_kvlingo.distill import DistillConfig, Distiller
-from mlx_kvlingo.models import load
-from mlx_kvlingo.samples import AlignedText
-from mlx_kvlingo.store import FeatureStore
-from mlx_kvlingo.train import RunConfig
-from mlx_kvlingo.translator import Translator
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.ttft import environment
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.train.distill import DistillConfig, Distiller
+from mlx_kvlingo.train.loop import RunConfig
+from mlx_kvlingo.train.samples import AlignedText
+from mlx_kvlingo.train.store import FeatureStore
+from mlx_kvlingo.translator.maps import Translator
 
 
 def time_direction(source, target, repeats: int, context: int, topk: int, tail: int,

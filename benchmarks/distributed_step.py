@@ -32,26 +32,31 @@ from pathlib import Path
 
 
 def worker(args):
-    import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
     import inspect as inspect_mod
 
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
 
-    from mlx_kvlingo import data, distributed
-    from mlx_kvlingo.distill import DistillConfig, Distiller
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.samples import SharedTokens
-    from mlx_kvlingo.train import RunConfig
-    from mlx_kvlingo.translator import Translator
+    import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+    from mlx_kvlingo.data import corpus as data
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.train import distributed
+    from mlx_kvlingo.train.distill import DistillConfig, Distiller
+    from mlx_kvlingo.train.loop import RunConfig
+    from mlx_kvlingo.train.samples import SharedTokens
+    from mlx_kvlingo.translator.maps import Translator
 
     g = distributed.group()
     src, tok = load(args.source or args.model)
     tgt, _ = load(args.model)
     # Offline text: docstrings of a few standard modules, tokenized once.
-    import email, json as j, os as o, re, subprocess as sp, textwrap  # noqa: E401
+    import email  # noqa: E401
+    import json as j
+    import os as o
+    import re
+    import subprocess as sp
+    import textwrap
     text = "\n\n".join(inspect_mod.getdoc(m) or "" for m in (email, j, o, re, sp, textwrap,
                                                               inspect_mod, argparse))
     stream = data.token_stream(tok, [("doc", text)] * 4)

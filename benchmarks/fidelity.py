@@ -19,8 +19,6 @@ interval, and each recipe change as a paired difference on identical windows.
     python benchmarks/fidelity.py --work runs/r2 --report-only  # just the report
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import os
@@ -28,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def translators(key, work: Path):
     """(label, path) of the files a direction's training wrote: the 3-adjacent-layer
     stage-1 fit, the stage-1 candidate stage 2 started from (the same layer map),
     and stage 2."""
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.translator.maps import load_translator
 
     final = work / f"{key}.safetensors"
     out = [("stage 1, 3 adjacent layers", work / f"{key}.stage1-adjacent3.safetensors")]
@@ -101,7 +101,7 @@ def evaluate(key, source, target, work: Path, s: dict, corpus: str, run=True) ->
 
 
 def _fidelity(entry: dict, ctx: str):
-    from mlx_kvlingo.evaluate import Fidelity
+    from mlx_kvlingo.measure.evaluate import Fidelity
 
     return Fidelity.from_dict(entry["results"][ctx])
 
@@ -111,7 +111,7 @@ def _label(entry, labels):
 
 
 def markdown(runs: list, meta: dict) -> str:
-    from mlx_kvlingo.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
+    from mlx_kvlingo.measure.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
 
     lines = [f"# Fidelity: SmolLM2-135M-Instruct <-> Gemma 3 270M ({meta['mode']})", "",
              f"Machine: {meta['machine']}. Settings: {json.dumps(meta['settings'])}.",

@@ -11,8 +11,6 @@ writes the report with paired-bootstrap intervals for every difference.
     python benchmarks/layer0_native.py --report-only   # the report from evals in --work
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import os
@@ -21,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "mlx_kvlingo" / "assets" / "translators"
@@ -43,7 +43,7 @@ def run_eval(key, source, target, file, corpus, work: Path) -> float:
 
 
 def _fidelity(entry: dict, ctx: str):
-    from mlx_kvlingo.evaluate import Fidelity
+    from mlx_kvlingo.measure.evaluate import Fidelity
 
     return Fidelity.from_dict(entry["results"][ctx])
 
@@ -54,7 +54,7 @@ def _name(e: dict) -> str:
 
 def section(title: str, result: dict) -> tuple:
     """Markdown lines and the paired differences of one evaluation."""
-    from mlx_kvlingo.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
+    from mlx_kvlingo.measure.evaluate import MARKDOWN_HEAD, cbr_difference, markdown_rows
 
     entries = result["translators"]
     lines = [f"## {title}", "", MARKDOWN_HEAD[0].format("cache"), MARKDOWN_HEAD[1]]

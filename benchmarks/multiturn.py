@@ -21,24 +21,24 @@ prefill of the identical transcript (its own view of it) and against no context.
         --markdown multiturn-real.md
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import time
 from pathlib import Path
 
-from mlx_kvlingo import data, toy
-from mlx_kvlingo.bench import environment
-from mlx_kvlingo.builtin_pair import stage1_translator
-from mlx_kvlingo.models import load
-from mlx_kvlingo.multiturn import (
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.multiturn import (
     conversations_from_stream,
     format_markdown,
     multiturn_fidelity,
     run_conversation,
     text_conversations,
 )
+from mlx_kvlingo.measure.ttft import environment
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.pairs import toy
+from mlx_kvlingo.pairs.builtin import stage1_translator
 
 
 def builtin_setup(args):
@@ -62,8 +62,8 @@ def builtin_setup(args):
 
 
 def real_setup(args):
-    from mlx_kvlingo import pretrained
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.models import pretrained
+    from mlx_kvlingo.translator.maps import load_translator
 
     smol, stok = load(pretrained.fetch("smollm2"))
     gemma, gtok = load(pretrained.fetch("gemma3"))
@@ -150,7 +150,7 @@ def main(argv=None):
         "results": {start: [r.to_dict() for r in rows] for start, rows in results.items()},
     }
     if args.gate:
-        from mlx_kvlingo.gate import QualityGate, calibrate_threshold
+        from mlx_kvlingo.chat.gate import QualityGate, calibrate_threshold
 
         scores = gate_scores(models, translators, calib,
                              QualityGate(args.gate_tokens, threshold=float("inf")))

@@ -11,7 +11,7 @@ have been made with the same corpus, windows, lengths and continuation length.
 import json
 import sys
 
-from mlx_kvlingo.evaluate import Fidelity, cbr_difference
+from mlx_kvlingo.measure.evaluate import Fidelity, cbr_difference
 
 # What makes two reports' windows the same ones.
 SAME_WINDOWS = ("source", "target", "corpus", "continuation_len", "windows")

@@ -18,8 +18,6 @@ shape costs the same whatever its values), three source layers per map like the
 fitted cross-tokenizer ones.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import statistics
@@ -29,13 +27,15 @@ from pathlib import Path
 
 import openai
 
-from mlx_kvlingo import data, pretrained
-from mlx_kvlingo.bench import environment
-from mlx_kvlingo.conversations import ConversationStore
-from mlx_kvlingo.models import load
-from mlx_kvlingo.session import Session
-from mlx_kvlingo.translator import Translator, load_translator
-from mlx_kvlingo_cli.serve_cmd import ServerConfig, make_server
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.chat.session import Session
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.ttft import environment
+from mlx_kvlingo.models import pretrained
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.serve.conversations import ConversationStore
+from mlx_kvlingo.serve.server import ServerConfig, make_server
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
 def start(base):

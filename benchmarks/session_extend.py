@@ -8,8 +8,6 @@ shipped file, on Austen text; medians, interleaved.
 
     python benchmarks/session_extend.py [--tokens 1024,3900] [--rounds 2] [--json OUT]
 """
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import statistics
@@ -18,14 +16,15 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_kvlingo.align import align_text, tokenize_with_offsets
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.shipped import shipped_translator
-from mlx_kvlingo.switch import _translate
-from mlx_kvlingo.translator import load_translator
-from mlx_kvlingo_cli.main import _load_pair
 from switch_cost_shipped import austen_text  # this folder's: the same text
+
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.pairs.shipped import shipped_translator
+from mlx_kvlingo.switching.kernel import translate_into as _translate
+from mlx_kvlingo.translator.align import align_text, tokenize_with_offsets
+from mlx_kvlingo.translator.maps import load_translator
 
 TAIL = 16  # positions left to the target, as with the shipped files' native tail
 
@@ -36,7 +35,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    src, stok, tgt, ttok = _load_pair("smollm2", "gemma3")
+    src, stok, tgt, ttok = load_pair("smollm2", "gemma3")
     tr = load_translator(shipped_translator("smollm2", "gemma3"))
     out = {}
     for n in map(int, args.tokens.split(",")):

@@ -12,17 +12,20 @@ what was measured is: save the candidate with ``--bits 8`` into the work directo
 evaluate that file, then run this.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_kvlingo.shipped import ASSETS, SHIPPED
-from mlx_kvlingo.translator import (METADATA_KEY, _quantization, _read_safetensors_header,
-                                    load_translator)
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.pairs.shipped import ASSETS, SHIPPED
+from mlx_kvlingo.translator.maps import (
+    METADATA_KEY,
+    file_quantization,
+    load_translator,
+    read_safetensors_header,
+)
 
 KEYS = {("smollm2", "gemma3"): "s2g", ("gemma3", "smollm2"): "g2s"}
 
@@ -47,8 +50,8 @@ def summary(eval_json: Path, translator: Path) -> dict:
 def file_bits(path: Path):
     """The bits a translator file's maps are quantized to (None: plain float), from
     its header alone (load_translator's own reading of it)."""
-    metadata = _read_safetensors_header(path).get("__metadata__") or {}
-    return _quantization(path, metadata)
+    metadata = read_safetensors_header(path).get("__metadata__") or {}
+    return file_quantization(path, metadata)
 
 
 def rewrite_metadata(src: Path, out: Path, spec) -> None:

@@ -9,8 +9,6 @@ OLD_DIR holds the earlier smollm2-to-gemma3 / gemma3-to-smollm2 .safetensors fil
 `git show REV:mlx_kvlingo/assets/translators/...`); a direction whose file is missing
 there is timed with the shipped file alone.
 """
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import statistics
@@ -19,13 +17,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_kvlingo import data
-from mlx_kvlingo.align import tokenize_with_offsets
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.shipped import ASSETS, SHIPPED
-from mlx_kvlingo.switch import first_step, switch_text
-from mlx_kvlingo.translator import load_translator
-from mlx_kvlingo_cli.main import _load_pair
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.pairs.shipped import ASSETS, SHIPPED
+from mlx_kvlingo.switching.api import switch_text
+from mlx_kvlingo.switching.generate import first_step
+from mlx_kvlingo.translator.align import tokenize_with_offsets
+from mlx_kvlingo.translator.maps import load_translator
 
 
 def austen_text(tokenizer, n_tokens: int) -> str:
@@ -35,7 +35,7 @@ def austen_text(tokenizer, n_tokens: int) -> str:
 
 
 def time_direction(source: str, target: str, old: Path, tokens: int, rounds: int) -> dict:
-    src, stok, tgt, ttok = _load_pair(source, target)
+    src, stok, tgt, ttok = load_pair(source, target)
     text = austen_text(ttok, tokens)
     source_tokens = tokenize_with_offsets(stok, text)
     cache = prefill(src, mx.array(source_tokens[0])[None])

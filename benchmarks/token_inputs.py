@@ -13,20 +13,20 @@ attention-output cosine per layer, native tails 0 and 16), with paired intervals
         --windows 48 --eval-windows 48 --json benchmarks/results/token-inputs.json
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import argparse
 import json
 import time
 from dataclasses import replace
 
-from mlx_kvlingo import data
-from mlx_kvlingo.evaluate import cbr_difference, evaluate_pair
-from mlx_kvlingo.fit import GramAccumulator, _accumulate
-from mlx_kvlingo.models import token_features, token_inputs
-from mlx_kvlingo.samples import SharedTokens
-from mlx_kvlingo.translator import Translator
-from mlx_kvlingo_cli.main import _load_pair, _pair_data, _token_layers
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_pair
+from mlx_kvlingo.models.features import token_features, token_inputs
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.train.fit import GramAccumulator, accumulate_features
+from mlx_kvlingo.train.recipe import resolve_token_layers
+from mlx_kvlingo.train.samples import SharedTokens, pair_data
+from mlx_kvlingo.translator.maps import Translator
 
 
 def _shared_features(src, tgt, pair, windows: int, context_len: int):
@@ -51,9 +51,9 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    src, stok, tgt, ttok = _load_pair(args.source, args.target)
-    pair = _pair_data(args.corpus, stok, ttok)
-    layers = _token_layers(args.token_layers, tgt)
+    src, stok, tgt, ttok = load_pair(args.source, args.target)
+    pair = pair_data(args.corpus, stok, ttok)
+    layers = resolve_token_layers(args.token_layers, tgt)
     t = Translator.for_models(src, tgt, stok, ttok, token_layers=layers)
     geo_s = t.spec.source.cache_geometry.layers
     geo_t = t.spec.target.cache_geometry.layers
@@ -65,7 +65,7 @@ def main():
     else:
         features = pair.fit_features(src, tgt, t, args.windows, args.context_len, layers=every)
         skip = 0
-    acc = _accumulate(GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t],
+    acc = accumulate_features(GramAccumulator([g.width for g in geo_s], [g.width for g in geo_t],
                                       t.spec.token_width),
                       features, skip, None, None)
     fit_s = time.perf_counter() - t0

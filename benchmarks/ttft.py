@@ -12,12 +12,10 @@ a trained translator of the same shape costs the same). Same as
 `mlx-kvlingo bench ttft`.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-
 import sys
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo_cli.main import app
-
 
 if __name__ == "__main__":
     sys.exit(app(["bench", "ttft", *sys.argv[1:]]))

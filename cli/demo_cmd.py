@@ -7,13 +7,12 @@ interval over held-out windows), the switch against a re-prefill in time to firs
 token, and both greedy continuations side by side.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
-
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo_cli.common import run, warn_if_slow_blas
 
@@ -79,7 +78,7 @@ def register(app: typer.Typer):
 
 
 def _describe(model) -> str:
-    from mlx_kvlingo.models import cache_geometry
+    from mlx_kvlingo.models.geometry import cache_geometry
 
     g = cache_geometry(model)
     layer = g.layers[0]
@@ -87,7 +86,7 @@ def _describe(model) -> str:
 
 
 def _fit_builtin(src, stok, tgt, ttok, pair, fit_tokens: int):
-    from mlx_kvlingo import toy
+    from mlx_kvlingo.pairs import toy
 
     with typer.progressbar(length=max(fit_tokens // 256, 1) * 255, label="Fitting stage 1") as bar:
         translator, report = toy.fit_translator(src, stok, tgt, ttok, pair, fit_tokens,
@@ -99,9 +98,9 @@ def _fit_builtin(src, stok, tgt, ttok, pair, fit_tokens: int):
 
 
 def demo_builtin(windows, context, max_tokens, repeats, fit_tokens, cache_dir):
-    from mlx_kvlingo import toy
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.pairs import toy
+    from mlx_kvlingo.translator.maps import load_translator
 
     src_dir, tgt_dir = toy.ensure_toy_pair(cache_dir, log=typer.echo)
     src, stok = load(src_dir)
@@ -147,9 +146,13 @@ def _document_start(tokenizer, docs, length: int, context: int):
 def show_fidelity(pair, src, tgt, named, items, context, what: str):
     """Context benefit, then each translator's CBR with a 95 % interval, and the
     paired difference of the last two."""
-    from mlx_kvlingo.bootstrap import benefit_interval, cbr_interval, paired_cbr_difference
-    from mlx_kvlingo.bootstrap import per_window_fidelity
-    from mlx_kvlingo.evaluate import MIN_CONTEXT_BENEFIT
+    from mlx_kvlingo.measure.bootstrap import (
+        benefit_interval,
+        cbr_interval,
+        paired_cbr_difference,
+        per_window_fidelity,
+    )
+    from mlx_kvlingo.measure.evaluate import MIN_CONTEXT_BENEFIT
 
     typer.echo(f"\nMeasuring on {what} ({context}-token context, 64-token continuation) ...")
     rows = per_window_fidelity(pair, src, tgt, [t for _, t in named], items, context)
@@ -176,7 +179,7 @@ def show_fidelity(pair, src, tgt, named, items, context, what: str):
 
 def show_switch(src, stok, tgt, ttok, named, context, max_tokens, repeats, truth=None):
     """Switch ``context`` (token ids or text) against a re-prefill: timing, answers."""
-    from mlx_kvlingo_cli.main import run_switch
+    from mlx_kvlingo.measure.compare import run_switch
 
     name, translator = named
     r = run_switch(src, stok, tgt, ttok, translator, context, max_tokens, True, repeats)
@@ -219,10 +222,10 @@ def real_translator_paths(folder: Path):
 
 
 def demo_real(folder, windows, context, max_tokens, repeats, cache_dir):
-    from mlx_kvlingo import pretrained
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.translator import load_translator
-    from mlx_kvlingo_cli.main import _pair_data
+    from mlx_kvlingo.models import pretrained
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.train.samples import pair_data
+    from mlx_kvlingo.translator.maps import load_translator
 
     paths = real_translator_paths(folder)
     models = {}
@@ -236,7 +239,7 @@ def demo_real(folder, windows, context, max_tokens, repeats, cache_dir):
         typer.echo(f"\n=== {s} -> {t}: {path}")
         typer.echo(f"source {_describe(src)}; target {_describe(tgt)}; different tokenizers, "
                    "aligned by characters.")
-        pair = _pair_data("stdlib", stok, ttok)
+        pair = pair_data("stdlib", stok, ttok)
         named = [(f"{s} -> {t}", translator)]
         show_fidelity(pair, src, tgt, named, pair.heldout(context, 64, windows), context,
                       f"{windows} held-out windows of stdlib docstrings")

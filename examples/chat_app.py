@@ -15,14 +15,13 @@ The Session is called from a worker thread, as a GUI or web app would, while the
 main thread reads input; the Session serializes turns with its own lock.
 """
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS on Linux, before mlx.core)
-
 import queue
 import sys
 import threading
 
-from mlx_kvlingo.builtin_pair import builtin_session
-from mlx_kvlingo.session import finish_thread
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS on Linux, before mlx.core)
+from mlx_kvlingo.chat.session import finish_thread
+from mlx_kvlingo.pairs.builtin import builtin_session
 
 KEYWORDS = ("explain", "why", "prove", "step by step", "in detail")
 LONG_QUESTION_WORDS = 40

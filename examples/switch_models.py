@@ -7,14 +7,15 @@ translator and streams the target's continuation.
     python examples/switch_models.py
 """
 
-import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
-
 import mlx.core as mx
 
-from mlx_kvlingo import data, toy
-from mlx_kvlingo.fit import fit_stage1
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.switch import generate_after_switch, switch
+import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.pairs import toy
+from mlx_kvlingo.switching.api import switch
+from mlx_kvlingo.switching.generate import generate_after_switch
+from mlx_kvlingo.train.fit import fit_stage1
 
 source_dir, target_dir = toy.ensure_toy_pair()
 source, tokenizer = kv.load(source_dir)

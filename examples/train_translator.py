@@ -11,16 +11,16 @@ samples each step, with a held-out evaluation at the start and the end. Point
 --steps (and lower --lr for deep targets, DESIGN §2) for a real run.
 """
 
-import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
-
 import argparse
 from pathlib import Path
 
-from mlx_kvlingo import data, toy
-from mlx_kvlingo.distill import DistillConfig
-from mlx_kvlingo.fit import fit_stage1
-from mlx_kvlingo.samples import SharedTokens
-from mlx_kvlingo.train import RunConfig, train
+import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.pairs import toy
+from mlx_kvlingo.train.distill import DistillConfig
+from mlx_kvlingo.train.fit import fit_stage1
+from mlx_kvlingo.train.loop import RunConfig, train
+from mlx_kvlingo.train.samples import SharedTokens
 
 p = argparse.ArgumentParser(description="Stage 1 + a few stage-2 steps.")
 p.add_argument("--source", help="source model (default: the built-in pair's small model)")

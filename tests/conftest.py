@@ -7,15 +7,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `tiny`
 
-import mlx_kvlingo  # noqa: E402,F401  (first: fast BLAS before mlx.core)
-
 import pytest  # noqa: E402
+
+import mlx_kvlingo  # noqa: E402,F401  (first: fast BLAS before mlx.core)
 
 
 @pytest.fixture(scope="session")
 def toy_pair_dirs():
     """(source_dir, target_dir) of the built-in demo pair shipped with the package."""
-    from mlx_kvlingo import toy
+    from mlx_kvlingo.pairs import toy
 
     return toy.ensure_toy_pair(log=None)
 
@@ -28,7 +28,7 @@ def docstring_pair():
     what it does use; the shipped pair needs stage 2 for that."""
     from pathlib import Path
 
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     root = Path(__file__).resolve().parent.parent / "benchmarks" / "assets" / "docstring-pair"
     src, stok = load(root / "source")
@@ -39,7 +39,7 @@ def docstring_pair():
 @pytest.fixture(scope="session")
 def toy_pair(toy_pair_dirs):
     """(source, source_tokenizer, target, target_tokenizer), loaded in float32."""
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     src, stok = load(toy_pair_dirs[0])
     tgt, ttok = load(toy_pair_dirs[1])

@@ -2,14 +2,18 @@
 
 import mlx.core as mx
 import pytest
-
-from mlx_kvlingo.align import NATIVE, align_offsets, align_text, identity_alignment
-from mlx_kvlingo.align import tokenize_with_offsets
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.switch import translate_aligned, translate_span
-from mlx_kvlingo.translator import Translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.switching.api import translate_aligned, translate_span
+from mlx_kvlingo.translator.align import (
+    NATIVE,
+    align_offsets,
+    align_text,
+    identity_alignment,
+    tokenize_with_offsets,
+)
+from mlx_kvlingo.translator.maps import Translator
 
 TEXT = ("The quick brown fox jumps over the lazy dog. def parse(value): return int(value)\n"
         "    Raise ValueError if the string is not a number; otherwise return it.\n")
@@ -114,7 +118,7 @@ def test_vectorised_alignment_matches_the_rule_on_random_tokenizations():
 
 
 def test_offsets_from_the_rust_tokenizer_equal_the_hf_call(tokenizers):
-    from mlx_kvlingo.align import tokenize_with_offsets
+    from mlx_kvlingo.translator.align import tokenize_with_offsets
 
     for tok in tokenizers:
         for special in (True, False):
@@ -145,7 +149,7 @@ def test_aligned_path_with_identity_alignment_is_exact():
 def test_gathered_features_come_from_the_aligned_source_positions():
     """With a permuted alignment, the translated cache holds the source's K/V of the
     positions named by the alignment (checked through an exact translator)."""
-    from mlx_kvlingo.models import cache_features
+    from mlx_kvlingo.models.cache import cache_features
 
     m = tiny_model("llama")
     t = Translator.for_models(m, m, native_prefix=0)
@@ -178,8 +182,9 @@ def test_with_native_tail_marks_the_last_positions_before_the_end():
 def test_switch_text_leaves_the_native_tail_in_target_tokens(tokenizers):
     """Different tokenizers: the last m target tokens (and the last one) are left for
     the target's first step; a tail over the whole context is a native prefill."""
-    from mlx_kvlingo.models import cache_length
-    from mlx_kvlingo.switch import first_step, switch_text
+    from mlx_kvlingo.models.cache import cache_length
+    from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.switching.generate import first_step
 
     stok, ttok = tokenizers
     src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
@@ -197,8 +202,8 @@ def test_switch_text_with_the_sources_tokenization_given_is_the_same_switch(toke
     """A caller that prefilled the source passes its (ids, offsets): the switch
     skips that tokenization and builds the same cache; offsets that do not fit the
     text change the alignment (so they are really used)."""
-    from mlx_kvlingo.models import cache_features, prefill
-    from mlx_kvlingo.switch import switch_text
+    from mlx_kvlingo.models.cache import cache_features, prefill
+    from mlx_kvlingo.switching.api import switch_text
 
     stok, ttok = tokenizers
     src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
@@ -224,8 +229,9 @@ def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native
     span by span into an empty cache, and the early layer is really used."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_kvlingo.models import prefill, read_layer
-    from mlx_kvlingo.switch import _map_early_layer, switch_text, translate_aligned
+    from mlx_kvlingo.models.cache import prefill, read_layer
+    from mlx_kvlingo.switching.api import switch_text, translate_aligned
+    from mlx_kvlingo.switching.kernel import map_early_layer as _map_early_layer
 
     stok, ttok = tokenizers
     src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
@@ -248,7 +254,7 @@ def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native
 def test_switch_text_refuses_a_source_cache_shorter_than_the_text(tokenizers):
     """Refused by name, not read past: the early layer's gather alone would not notice."""
     from mlx_kvlingo.errors import KvlingoError
-    from mlx_kvlingo.switch import switch_text
+    from mlx_kvlingo.switching.api import switch_text
 
     stok, ttok = tokenizers
     src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)

@@ -4,10 +4,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_kvlingo.fit import AttentionValueAccumulator, Moments, ridge_solve
-from mlx_kvlingo.models import attention_weights, cache_features
 from tiny import CONFIGS, tiny_model
+
+from mlx_kvlingo.models.cache import cache_features
+from mlx_kvlingo.models.features import attention_weights
+from mlx_kvlingo.train.fit import AttentionValueAccumulator, Moments, ridge_solve
 
 
 class _Recorder(nn.Module):

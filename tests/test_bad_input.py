@@ -7,15 +7,14 @@ and that no output file was written or an existing one left byte-for-byte intact
 import shutil
 
 import pytest
-
-from mlx_kvlingo.translator import Translator
-
 from test_cli import run_cli
+
+from mlx_kvlingo.translator.maps import Translator
 
 
 @pytest.fixture(scope="module")
 def pair_translator(toy_pair_dirs, tmp_path_factory):
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     src, stok = load(toy_pair_dirs[0])
     tgt, ttok = load(toy_pair_dirs[1])
@@ -77,7 +76,8 @@ def test_translator_for_another_pair_names_the_differences(toy_pair_dirs, pair_t
 
 def test_shared_tokenizer_translator_refused_for_other_tokenizers(toy_pair_dirs, pair_translator, tmp_path):
     """Same geometry, different vocabulary: a shared-tokenizer translator cannot align."""
-    from mlx_kvlingo import data, toy
+    from mlx_kvlingo.data import corpus as data
+    from mlx_kvlingo.pairs import toy
 
     other = tmp_path / "target-other-tokenizer"
     shutil.copytree(toy_pair_dirs[1], other)

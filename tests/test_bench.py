@@ -7,7 +7,7 @@ import mlx.core as mx
 import typer
 from typer.testing import CliRunner
 
-from mlx_kvlingo.bench import (
+from mlx_kvlingo.measure.ttft import (
     apply_rope_tables,
     format_rows,
     format_split,
@@ -15,7 +15,7 @@ from mlx_kvlingo.bench import (
     plot_ttft,
     rope_tables,
 )
-from mlx_kvlingo.translator import Translator
+from mlx_kvlingo.translator.maps import Translator
 
 KEYS = {"context", "prefill_s", "switch_s", "ratio", "translate_s", "decode_s",
         "translate_peak_mb", "translate_extra_mb", "decode_step_s", "maps_s", "ceiling_s",
@@ -61,15 +61,15 @@ def test_the_bare_step_is_timed_again_on_an_untouched_copy_of_the_prefill(toy_pa
     prefilled cache: the copy it is made from keeps its length and contents."""
     import mlx.core as mx
 
-    from mlx_kvlingo.bench import _timed_bare_step, _timed_prefill
+    from mlx_kvlingo.measure.ttft import timed_bare_step, timed_prefill
 
     _, stok, tgt, _ = toy_pair
     tokens = mx.array(stok.encode("Return a new list of the items. " * 6))
-    p, d, saved = _timed_prefill(tgt, tokens)
+    p, d, saved = timed_prefill(tgt, tokens)
     assert p > d > 0
     before = [(c.offset, mx.array(c.keys)) for c in saved]
     for _ in range(2):
-        assert _timed_bare_step(tgt, saved, tokens[-1:]) > 0
+        assert timed_bare_step(tgt, saved, tokens[-1:]) > 0
     for (offset, keys), c in zip(before, saved):
         assert c.offset == offset == tokens.size - 1
         assert mx.array_equal(c.keys, keys)
@@ -122,7 +122,7 @@ def test_rope_tables_reproduce_the_rope_modules_exactly():
     import mlx.nn as nn
     from mlx_lm.models.rope_utils import Llama3RoPE
 
-    from mlx_kvlingo.models import unrope
+    from mlx_kvlingo.models.rope import unrope
 
     x = mx.random.normal((1, 2, 9, 16), key=mx.random.key(0))
     ropes = [nn.RoPE(16), nn.RoPE(16, traditional=True), nn.RoPE(8, base=500.0),

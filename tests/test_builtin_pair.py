@@ -4,11 +4,10 @@ its target gains >= 1 nat/token from context, and stage 2 beats stage 1 on CBR."
 
 import pytest
 
-from mlx_kvlingo.evaluate import Fidelity
-
-from mlx_kvlingo import toy
-from mlx_kvlingo.bootstrap import benefit_interval, cbr_interval, paired_cbr_difference
-from mlx_kvlingo.data import split_documents, stdlib_documents
+from mlx_kvlingo.data.corpus import split_documents, stdlib_documents
+from mlx_kvlingo.measure.bootstrap import benefit_interval, cbr_interval, paired_cbr_difference
+from mlx_kvlingo.measure.evaluate import Fidelity
+from mlx_kvlingo.pairs import toy
 
 
 def test_recurring_documents_repeat_passages_and_rename_consistently():
@@ -106,9 +105,9 @@ def test_the_shipped_pair_uses_its_context_and_stage_2_beats_stage_1():
     stage-2 translator (2,500 distillation steps) keeps more of that benefit than a
     stage-1 fit, paired over the same windows. (The gain comes late: 100 steps in
     the test gave none, 300 gave 35 %; builtin-pair-training.md, run 12.)"""
-    from mlx_kvlingo.bootstrap import per_window_fidelity
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.measure.bootstrap import per_window_fidelity
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.translator.maps import load_translator
 
     src_dir, tgt_dir = toy.ensure_toy_pair()
     src, stok = load(src_dir)
@@ -129,7 +128,7 @@ def test_the_shipped_pair_uses_its_context_and_stage_2_beats_stage_1():
 def test_build_toy_pair_runs_both_phases_and_resumes_after_the_first(tmp_path):
     import shutil
 
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     lines = []
     _, tgt_dir = toy.build_toy_pair(tmp_path, copy_steps=2, text_steps=2, roles=("target",),
@@ -148,7 +147,7 @@ def test_build_toy_pair_runs_both_phases_and_resumes_after_the_first(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_pairs_recipe_still_builds_a_loadable_pair(tmp_path):
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     src_dir, tgt_dir = toy.build_docstring_pair(tmp_path, steps=2, log=None)
     (src, stok), (tgt, ttok) = load(src_dir), load(tgt_dir)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mlx_kvlingo.builtin_pair import builtin_session
+from mlx_kvlingo.pairs.builtin import builtin_session
 
 CLI = ("import mlx_kvlingo, typer; from mlx_kvlingo_cli.session_cmds import register; "
        "app = typer.Typer(add_completion=False); register(app); app()")

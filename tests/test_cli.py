@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlx_kvlingo.translator import load_translator
+from mlx_kvlingo.translator.maps import load_translator
 
 
 def run_cli(*args, check=True, timeout=600):

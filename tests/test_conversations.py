@@ -1,17 +1,17 @@
 """The conversation store and router behind `serve`, without sockets."""
 
 import pytest
+from tiny import identity_translator
 
-from mlx_kvlingo.conversations import (
+from mlx_kvlingo.chat.session import Session
+from mlx_kvlingo.serve.conversations import (
     AutoRoute,
     ConversationStore,
     TurnRequest,
     UnknownModel,
     common_prefix,
 )
-from mlx_kvlingo.engine import Engine, QueueFull
-from mlx_kvlingo.session import Session
-from tiny import identity_translator
+from mlx_kvlingo.serve.engine import Engine, QueueFull
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
+from tiny import CONFIGS, tiny_model
 
 from mlx_kvlingo import cpu_math
-from mlx_kvlingo.models import prefill, read_layer
-
-from tiny import CONFIGS, tiny_model
+from mlx_kvlingo.models.cache import prefill, read_layer
 
 
 def _close(a, b, atol, what="", rtol=0):
@@ -151,7 +150,7 @@ def test_only_numpy_passes_take_the_numpy_paths(every_pass):
 def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):
     """MLX_KVLINGO_CPU_MATH=0 leaves every pass to mlx; a recorder swapped into
     the module in place of mlx-lm's function is left alone, not wrapped."""
-    from mlx_kvlingo.models import attention_weights
+    from mlx_kvlingo.models.features import attention_weights
 
     model = tiny_model("qwen3", seed=2)
     tokens = mx.array([[3, 5, 7, 11, 13, 17, 19, 23]])
@@ -180,8 +179,8 @@ def test_logsumexp_and_its_gradient_equal_mlx():
 def test_stage2_loss_and_gradients_are_mlx_s(every_pass, monkeypatch):
     """The KL loss of a stage-2 step and its gradients in the maps, with the
     vocabulary's log-sum-exp in numpy and in MLX."""
-    from mlx_kvlingo.distill import LowRankMaps, kl_loss, make_batch
-    from mlx_kvlingo.translator import Translator
+    from mlx_kvlingo.train.distill import LowRankMaps, kl_loss, make_batch
+    from mlx_kvlingo.translator.maps import Translator
 
     src, tgt = tiny_model("qwen3", seed=1), tiny_model("gemma3_text", seed=2)
     tokens = mx.array(np.random.default_rng(1).integers(0, 97, (2, 40)))

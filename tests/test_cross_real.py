@@ -2,16 +2,16 @@
 
 import pytest
 
-from mlx_kvlingo import data
-from mlx_kvlingo.align import NATIVE, align_text, tokenize_with_offsets
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.translator.align import NATIVE, align_text, tokenize_with_offsets
 
 pytestmark = pytest.mark.network
 
 
 @pytest.fixture(scope="module")
 def real_pair():
-    from mlx_kvlingo import pretrained
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models import pretrained
+    from mlx_kvlingo.models.load import load
 
     smol, stok = load(pretrained.fetch("smollm2", log=None))
     gemma, gtok = load(pretrained.fetch("gemma3", log=None))
@@ -43,10 +43,10 @@ def test_most_target_tokens_end_where_a_source_token_ends(real_pair, texts, dire
 
 @pytest.mark.slow
 def test_stage1_cross_tokenizer_keeps_much_of_the_context_benefit(real_pair, texts):
-    from mlx_kvlingo.fit import fit_features
-    from mlx_kvlingo.evaluate import evaluate_pair
-    from mlx_kvlingo.samples import AlignedText
-    from mlx_kvlingo.translator import Translator
+    from mlx_kvlingo.measure.evaluate import evaluate_pair
+    from mlx_kvlingo.train.fit import fit_features
+    from mlx_kvlingo.train.samples import AlignedText
+    from mlx_kvlingo.translator.maps import Translator
 
     smol, stok, gemma, gtok = real_pair
     t = Translator.for_models(smol, gemma, stok, gtok, sources_per_layer=3)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlx_kvlingo import data
+from mlx_kvlingo.data import corpus as data
 from mlx_kvlingo.errors import KvlingoError
 
 

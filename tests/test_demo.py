@@ -47,7 +47,7 @@ def test_real_demo_without_translators_says_what_to_do(tmp_path):
 def test_real_demo_runs_with_a_translator_from_the_environment(tmp_path):
     """A quick stage-1 translator stands in for the shipped ones (found through
     MLX_KVLINGO_TRANSLATORS); the demo scores it and switches a real paragraph."""
-    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.models import pretrained
 
     smol = pretrained.fetch("smollm2", log=None)
     gemma = pretrained.fetch("gemma3", log=None)

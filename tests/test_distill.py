@@ -7,16 +7,15 @@ import signal
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_kvlingo import data
-from mlx_kvlingo.distill import DistillConfig, Distiller, LowRankMaps, make_batch
-from mlx_kvlingo.evaluate import evaluate_translator
-from mlx_kvlingo.fit import fit_stage1
-from mlx_kvlingo.samples import SharedTokens
-from mlx_kvlingo.train import RunConfig, train
-from mlx_kvlingo.translator import Translator, load_translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.evaluate import evaluate_translator
+from mlx_kvlingo.train.distill import DistillConfig, Distiller, LowRankMaps, make_batch
+from mlx_kvlingo.train.fit import fit_stage1
+from mlx_kvlingo.train.loop import RunConfig, train
+from mlx_kvlingo.train.samples import SharedTokens
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +153,8 @@ def test_low_rank_correction_keeps_base_frozen_and_merges(tiny_pair):
 def test_layer_ranks_give_chosen_layers_their_own_rank(tiny_pair):
     from dataclasses import replace
 
-    from mlx_kvlingo.distill import parse_layer_ranks
     from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo.train.distill import parse_layer_ranks
 
     src, tgt, t, stream = tiny_pair
     t = _fresh(t)
@@ -228,8 +227,8 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny_pair, tmp_path,
     monkeypatch.setattr(train_mod.mx, "save_safetensors", full_disk)
     with pytest.raises(OSError, match="No space left"):
         train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, _config(steps=2))
-    for p, data in before.items():
-        assert p.read_bytes() == data
+    for p, content in before.items():
+        assert p.read_bytes() == content
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
 
 

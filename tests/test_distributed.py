@@ -7,8 +7,8 @@ clear message and a checkpoint that still resumes.
 """
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -210,7 +210,7 @@ def _wait_for_step(log: Path, step: int, launcher, stderr: Path):
 
 @launches
 def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_path):
-    from mlx_kvlingo.train import load_checkpoint
+    from mlx_kvlingo.train.loop import load_checkpoint
 
     train_args = _train_args(toy_pair_dirs, tmp_path)
 
@@ -257,7 +257,7 @@ def test_killed_rank_ends_the_run_and_the_checkpoint_resumes(toy_pair_dirs, tmp_
     rest = launch(out, "--resume")
     assert "Done: 16 steps" in rest.stdout, rest.stderr
     assert _steps(log) == list(range(1, 17))
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.translator.maps import load_translator
 
     a, b = load_translator(tmp_path / "a.safetensors"), load_translator(out)
     for x, y in zip(a.k_maps + a.v_maps, b.k_maps + b.v_maps):
@@ -299,7 +299,7 @@ def test_a_frozen_rank_times_out_the_others(toy_pair_dirs, tmp_path):
 
 
 def test_the_watchdog_gives_the_first_step_its_grace_and_then_the_limit():
-    from mlx_kvlingo.distributed import Watchdog
+    from mlx_kvlingo.train.distributed import Watchdog
 
     fired = []
     with Watchdog(0.25, _Rank(0, 2)) as dog:
@@ -345,13 +345,13 @@ def test_rank_shares_partition_one_process_samples(monkeypatch, size):
     stage-1 samples, put back together, is exactly what one process draws, for both
     kinds of pair (the cross-tokenizer one draws its samples from one rng)."""
     from test_align import TEXT, _bpe
-
-    from mlx_kvlingo import samples
-    from mlx_kvlingo.distill import DistillConfig
-    from mlx_kvlingo.samples import AlignedText, SharedTokens
-    from mlx_kvlingo.train import RunConfig
-    from mlx_kvlingo.translator import Translator
     from tiny import tiny_model
+
+    from mlx_kvlingo.train import samples
+    from mlx_kvlingo.train.distill import DistillConfig
+    from mlx_kvlingo.train.loop import RunConfig
+    from mlx_kvlingo.train.samples import AlignedText, SharedTokens
+    from mlx_kvlingo.translator.maps import Translator
 
     config = RunConfig(DistillConfig(batch_size=2, accumulate=5, seed=4),
                        context_lengths=(8, 12), continuation_len=4)
@@ -386,7 +386,7 @@ def test_rank_shares_partition_one_process_samples(monkeypatch, size):
 def test_a_stop_reaching_one_rank_stops_all_with_a_checkpoint(toy_pair_dirs, tmp_path):
     """SIGTERM (or Ctrl-C) on rank 1 alone: the ranks agree on it at the step boundary,
     rank 0 writes the checkpoint of that step, and both stop as a single process does."""
-    from mlx_kvlingo.train import load_checkpoint
+    from mlx_kvlingo.train.loop import load_checkpoint
 
     train_args = _train_args(toy_pair_dirs, tmp_path)
     out = tmp_path / "d.safetensors"

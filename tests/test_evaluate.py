@@ -4,11 +4,10 @@ and paired differences."""
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_kvlingo.evaluate import cbr_difference, evaluate_translators
-from mlx_kvlingo.translator import Translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_translators
+from mlx_kvlingo.translator.maps import Translator
 
 
 def _identity(m):
@@ -43,9 +42,9 @@ def test_identity_is_native_and_zero_maps_are_not(arch):
 
 
 def test_totals_are_the_per_token_kl_nll_and_top1_of_the_log_probs():
-    """_Totals against a direct numpy computation on random log-probs (a vocabulary
+    """ScoreTotals against a direct numpy computation on random log-probs (a vocabulary
     wide enough for cpu_math's numpy exponentials)."""
-    from mlx_kvlingo.evaluate import _Totals
+    from mlx_kvlingo.measure.evaluate import ScoreTotals
 
     rng = np.random.default_rng(4)
     B, L, V = 2, 5, 9000
@@ -56,7 +55,7 @@ def test_totals_are_the_per_token_kl_nll_and_top1_of_the_log_probs():
 
     nat, tr, none = logprobs(), logprobs(), logprobs()
     cont = rng.integers(0, V, (B, L))
-    tot = _Totals()
+    tot = ScoreTotals()
     tot.add(mx.array(cont), mx.array(nat), mx.array(tr), mx.array(none))
     f = tot.result(30)
 

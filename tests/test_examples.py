@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_kvlingo.session import builtin_session
-from mlx_kvlingo.translator import load_translator
+from mlx_kvlingo.chat.session import builtin_session
+from mlx_kvlingo.translator.maps import load_translator
 
 ROOT = Path(__file__).resolve().parents[1]
 

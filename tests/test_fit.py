@@ -3,17 +3,16 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_kvlingo import data
-from mlx_kvlingo.evaluate import evaluate_translator
-from mlx_kvlingo.fit import MomentAccumulator, fit_stage1
-from mlx_kvlingo.translator import Translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.measure.evaluate import evaluate_translator
+from mlx_kvlingo.train.fit import MomentAccumulator, fit_stage1
+from mlx_kvlingo.translator.maps import Translator
 
 
 def _features(model, tokens):
-    from mlx_kvlingo.models import token_features
+    from mlx_kvlingo.models.features import token_features
 
     return token_features(model, tokens)
 
@@ -96,7 +95,7 @@ def test_the_shared_gram_from_its_upper_blocks_is_the_full_product():
     """The Gram accumulates only its upper block triangle; mirrored, it is XᵀX (over
     several adds, block edges that cut layers), and the fit is the same for any
     block size."""
-    from mlx_kvlingo.fit import GramAccumulator
+    from mlx_kvlingo.train.fit import GramAccumulator
 
     src, tgt = tiny_model("llama", seed=3), tiny_model("qwen3", seed=4)
     t = Translator.for_models(src, tgt, native_prefix=1)
@@ -129,7 +128,7 @@ def test_the_shared_gram_from_its_upper_blocks_is_the_full_product():
 def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
     """Every layer subset is a sub-block of one Gram matrix: the maps chosen from it
     equal maps fitted directly on the chosen layers."""
-    from mlx_kvlingo.fit import GramAccumulator, fit_selected
+    from mlx_kvlingo.train.fit import GramAccumulator, fit_selected
 
     src, tgt = tiny_model("llama", seed=3), tiny_model("qwen3", seed=4)
     t = Translator.for_models(src, tgt, native_prefix=1)
@@ -160,7 +159,7 @@ def test_layer_selection_from_the_shared_gram_equals_a_direct_fit():
 
 
 def test_layer_selection_keeps_the_candidate_the_chooser_picks():
-    from mlx_kvlingo.fit import fit_selected
+    from mlx_kvlingo.train.fit import fit_selected
 
     src, tgt = tiny_model("qwen2", seed=1), tiny_model("llama", seed=2)
     t = Translator.for_models(src, tgt)

@@ -7,11 +7,10 @@ from pathlib import Path
 import mlx.core as mx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import tiny_model
 
 from mlx_kvlingo.errors import TranslatorFileError
-from mlx_kvlingo.translator import Translator, load_translator
-
-from tiny import tiny_model
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 ROOT = Path(__file__).resolve().parents[1]
 FUZZ = settings(max_examples=150, deadline=None,
@@ -115,7 +114,7 @@ VALID_CACHE = _valid_prompt_cache()
         lambda t: VALID_CACHE[: t[0]] + t[1] + VALID_CACHE[t[0] + len(t[1]):]),
 ))
 def test_prompt_cache_reader(tmp_path, data):
-    from mlx_kvlingo.prompt_cache import PromptCacheError, read_prompt_cache
+    from mlx_kvlingo.switching.prompt_cache import PromptCacheError, read_prompt_cache
 
     p = tmp_path / "cache.safetensors"
     p.write_bytes(data)

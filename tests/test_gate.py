@@ -2,10 +2,10 @@
 
 import mlx.core as mx
 import pytest
-
-from mlx_kvlingo.gate import QualityGate, calibrate_threshold
-from mlx_kvlingo.session import Session
 from tiny import identity_translator
+
+from mlx_kvlingo.chat.gate import QualityGate, calibrate_threshold
+from mlx_kvlingo.chat.session import Session
 
 QUESTIONS = ["Return the sum of the items.", "Open the file and return a stream.",
              "Close the file.", "Raise ValueError if empty."]
@@ -47,7 +47,7 @@ def test_gate_passes_an_exact_translation_and_its_tail_is_native(target):
 
 
 def test_gate_scores_a_broken_translation_worse_and_falls_back_to_native(target):
-    from mlx_kvlingo.models import prefill
+    from mlx_kvlingo.models.cache import prefill
 
     m, tok = target
     exact, _ = play(m, tok, 1.0, QualityGate(tokens=8, threshold=99.0))
@@ -87,8 +87,8 @@ def test_threshold_from_the_translator_and_calibration(target):
 def test_switch_with_gate(target):
     from mlx_lm.generate import stream_generate
 
-    from mlx_kvlingo.gate import switch_with_gate
-    from mlx_kvlingo.switch import generate_after_switch
+    from mlx_kvlingo.chat.gate import switch_with_gate
+    from mlx_kvlingo.switching.generate import generate_after_switch
 
     m, tok = target
     tokens = tok.encode("Return a new list containing all items from the iterable in "

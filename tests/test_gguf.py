@@ -17,10 +17,11 @@ from gguf.constants import GGML_QUANT_SIZES
 from mlx_lm.gguf import permute_weights  # mlx-lm's copy of llama.cpp's permutation
 from mlx_lm.utils import _get_classes
 
-from mlx_kvlingo import gguf as kv_gguf
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.gguf import Affine, convert_gguf, load_gguf, repack, unpermute_rows
-from mlx_kvlingo.models import cache_geometry, load
+from mlx_kvlingo.models import gguf as kv_gguf
+from mlx_kvlingo.models.geometry import cache_geometry
+from mlx_kvlingo.models.gguf import Affine, convert_gguf, load_gguf, repack, unpermute_rows
+from mlx_kvlingo.models.load import load
 
 RNG = np.random.default_rng(0)
 
@@ -373,20 +374,20 @@ def test_fetch_models_command_help_and_unknown_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.models import pretrained
 
     return pretrained.fetch("smollm2", log=None)
 
 
 @pytest.fixture(scope="module")
 def gemma3_dir():
-    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.models import pretrained
 
     return pretrained.fetch("gemma3", log=None)
 
 
 def _gguf_path(name):
-    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.models import pretrained
 
     return pretrained.fetch_gguf(name, log=None)
 
@@ -460,7 +461,8 @@ def test_real_models_cache_geometry(smollm2_dir, gemma3_dir):
 @pytest.mark.network
 def test_smollm2_kept_quantized_matches_gguf_and_the_float_model(smollm2_dir, tmp_path):
     import mlx_lm
-    from mlx_kvlingo import pretrained
+
+    from mlx_kvlingo.models import pretrained
 
     qdir = pretrained.fetch("smollm2", quantized=True, log=None)
     qmodel, tokenizer = mlx_lm.load(str(qdir))
@@ -480,7 +482,7 @@ def test_smollm2_kept_quantized_matches_gguf_and_the_float_model(smollm2_dir, tm
 
 @pytest.mark.network
 def test_fetch_again_needs_no_network(smollm2_dir, gemma3_dir, monkeypatch):
-    from mlx_kvlingo import pretrained
+    from mlx_kvlingo.models import pretrained
 
     def no_network(*args, **kwargs):
         raise AssertionError("fetch ran a subprocess although the model is cached")

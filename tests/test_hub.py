@@ -4,12 +4,11 @@ network call."""
 import shutil
 
 import pytest
-
-from mlx_kvlingo import hub
-from mlx_kvlingo.errors import KvlingoError, TranslatorFileError
-from mlx_kvlingo.translator import Translator, load_translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.errors import KvlingoError, TranslatorFileError
+from mlx_kvlingo.translator import hub
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
 @pytest.fixture

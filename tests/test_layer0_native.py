@@ -8,21 +8,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_kvlingo.align import Alignment
-from mlx_kvlingo.distill import LowRankMaps, kl_loss, make_batch, translated_cache
-from mlx_kvlingo.errors import TranslatorFileError, TranslatorMismatch, UnsupportedModel
-from mlx_kvlingo.models import (
-    cache_features,
-    layer0_features,
-    layer0_kv,
-    prefill,
-    read_layer,
-)
-from mlx_kvlingo.switch import translate_aligned, translate_cache, translate_span
-from mlx_kvlingo.translator import METADATA_KEY, Translator, load_translator
-
 from tiny import CONFIGS, tiny_model
+
+from mlx_kvlingo.errors import TranslatorFileError, TranslatorMismatch, UnsupportedModel
+from mlx_kvlingo.models.cache import cache_features, prefill, read_layer
+from mlx_kvlingo.models.features import layer0_features, layer0_kv
+from mlx_kvlingo.switching.api import translate_aligned, translate_cache, translate_span
+from mlx_kvlingo.train.distill import LowRankMaps, kl_loss, make_batch, translated_cache
+from mlx_kvlingo.translator.align import Alignment
+from mlx_kvlingo.translator.maps import METADATA_KEY, Translator, load_translator
 
 ARCHS = list(CONFIGS)
 
@@ -187,15 +181,15 @@ def test_the_file_records_native_layer0(pair, tmp_path):
 
 
 def test_eval_scores_both_settings_on_the_same_windows(pair):
-    from mlx_kvlingo.evaluate import cbr_difference, evaluate_translators
-    from mlx_kvlingo_cli.main import _layer0_settings
+    from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_translators
+    from mlx_kvlingo_cli.main import layer0_settings
 
     src, tgt, t = pair
-    assert _layer0_settings("file", t) == [False]
-    assert _layer0_settings("off,on", t) == [False, True]
+    assert layer0_settings("file", t) == [False]
+    assert layer0_settings("off,on", t) == [False, True]
     with pytest.raises(Exception, match="native-layer0"):
-        _layer0_settings("maybe", t)
-    variants = [t.with_native_layer0(on) for on in _layer0_settings("off,on", t)]
+        layer0_settings("maybe", t)
+    variants = [t.with_native_layer0(on) for on in layer0_settings("off,on", t)]
     windows = [_tokens(24, batch=2, seed=10)]
     off, on = evaluate_translators(src, tgt, variants, windows, context_len=18)
     assert (off.native_layer0, on.native_layer0) == (False, True)
@@ -206,9 +200,9 @@ def test_eval_scores_both_settings_on_the_same_windows(pair):
 
 
 def test_eval_command_reports_both_settings(toy_pair_dirs, tmp_path):
-    from mlx_kvlingo.models import load
-
     from test_cli import run_cli
+
+    from mlx_kvlingo.models.load import load
 
     (src, stok), (tgt, ttok) = load(toy_pair_dirs[0]), load(toy_pair_dirs[1])
     path = tmp_path / "t.safetensors"
@@ -229,7 +223,7 @@ def test_eval_command_reports_both_settings(toy_pair_dirs, tmp_path):
 
 def test_prompt_cache_conversion_needs_the_ids_for_native_layer0(pair):
     from mlx_kvlingo.errors import KvlingoError
-    from mlx_kvlingo.prompt_cache import convert_prompt_cache
+    from mlx_kvlingo.switching.prompt_cache import convert_prompt_cache
 
     src, tgt, _ = pair
     t = Translator.for_models(src, tgt, native_prefix=0).with_native_layer0(True)

@@ -16,21 +16,15 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 from mlx_lm.utils import _get_classes
+from tiny import CONFIGS, tiny_model
 
 from mlx_kvlingo import models as kv_models
 from mlx_kvlingo.errors import KvlingoError, UnsupportedModel
-from mlx_kvlingo.models import (
-    cache_geometry,
-    check_supported,
-    prefill,
-    read_layer,
-    rerope,
-    unrope,
-)
-from mlx_kvlingo.switch import translate_cache, translate_context
-from mlx_kvlingo.translator import Translator
-
-from tiny import CONFIGS, tiny_model
+from mlx_kvlingo.models.cache import prefill, read_layer
+from mlx_kvlingo.models.geometry import cache_geometry, check_supported
+from mlx_kvlingo.models.rope import rerope, unrope
+from mlx_kvlingo.switching.api import translate_cache, translate_context
+from mlx_kvlingo.translator.maps import Translator
 
 ARCHS = list(CONFIGS)
 

@@ -12,16 +12,16 @@ import mlx.core as mx
 import pytest
 import typer
 from mlx_lm.models.cache import KVCache, load_prompt_cache
+from tiny import identity_translator
 from typer.testing import CliRunner
 
-from mlx_kvlingo.models import read_layer
-from mlx_kvlingo.prompt_cache import (
+from mlx_kvlingo.models.cache import read_layer
+from mlx_kvlingo.switching.prompt_cache import (
     cache_prompt_tokens,
     convert_prompt_cache_file,
     native_dtype,
 )
-from mlx_kvlingo.translator import Translator
-from tiny import identity_translator
+from mlx_kvlingo.translator.maps import Translator
 
 PROMPT = ("Return a new list containing all items from the iterable in ascending order. "
           "A custom key function can be supplied to customize the sort order, and the "
@@ -83,7 +83,7 @@ def test_exact_conversion_reproduces_the_native_cache_file(toy_pair, toy_pair_di
 def pair_translator():
     """The built-in pair's shipped stage-2 translator (its stage-1 fit carries
     almost none of what the target's context is worth: builtin-pair.md)."""
-    from mlx_kvlingo import toy
+    from mlx_kvlingo.pairs import toy
 
     return toy.STAGE2_TRANSLATOR
 
@@ -171,7 +171,7 @@ def twin_model_dir(model_dir, out):
 
 def test_cross_tokenizer_conversion_through_exact_maps_continues_like_the_native_cache(
         toy_pair_dirs, tmp_path):
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     target = str(toy_pair_dirs[1])
     twin = str(twin_model_dir(toy_pair_dirs[1], tmp_path / "twin"))

@@ -7,16 +7,16 @@ import time
 import openai
 import pytest
 
-from mlx_kvlingo.conversations import AutoRoute, ConversationStore
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo_cli.serve_cmd import ServerConfig, make_server
+from mlx_kvlingo.serve.conversations import AutoRoute, ConversationStore
+from mlx_kvlingo.serve.server import ServerConfig, make_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from mlx_kvlingo.builtin_pair import builtin_session
+    from mlx_kvlingo.pairs.builtin import builtin_session
 
     return builtin_session(cache_dir=tmp_path_factory.getbasetemp() / "kvlingo-cache")
 
@@ -244,7 +244,7 @@ def test_concurrent_conversations_are_isolated(serve):
 
 
 def test_a_stream_that_fails_mid_way_ends_with_an_error_event(serve):
-    from mlx_kvlingo.conversations import TurnStats
+    from mlx_kvlingo.serve.conversations import TurnStats
 
     srv = serve()
 

@@ -5,12 +5,12 @@ import threading
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
-
-from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.models import prefill
-from mlx_kvlingo.builtin_pair import builtin_session, stage1_translator
-from mlx_kvlingo.session import Session, finish_thread, format_reports
 from tiny import identity_translator
+
+from mlx_kvlingo.chat.session import Session, finish_thread, format_reports
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.pairs.builtin import builtin_session, stage1_translator
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ CHAT_TEMPLATE = (
 
 
 def test_chat_template_transcript_extends_the_previous_one(toy_pair_dirs):
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     m, tok = load(toy_pair_dirs[1])
     tok._tokenizer.chat_template = CHAT_TEMPLATE
@@ -213,7 +213,7 @@ def test_read_turns_and_errors(target):
 
 
 def test_a_model_with_a_new_tokenizer_joins_before_the_first_turn(target, tmp_path):
-    from mlx_kvlingo.toy import build_tokenizer, load_tokenizer
+    from mlx_kvlingo.pairs.toy import build_tokenizer, load_tokenizer
 
     m, tok = target
     docs = [("d", "Return the sum of a list of numbers. " * 20)]
@@ -229,7 +229,7 @@ def test_a_model_with_a_new_tokenizer_joins_before_the_first_turn(target, tmp_pa
 
 
 def test_multiturn_fidelity_is_exact_with_exact_translators(target):
-    from mlx_kvlingo.multiturn import format_markdown, multiturn_fidelity
+    from mlx_kvlingo.measure.multiturn import format_markdown, multiturn_fidelity
 
     m, tok = target
     text = ("Return a new list containing all items from the iterable in ascending order. "
@@ -278,7 +278,7 @@ def test_a_model_can_continue_when_the_template_adds_nothing(toy_pair_dirs):
     """With a template that writes nothing after a message (no generation prompt),
     a turn without a message makes the model re-read the last token itself, also
     when it wrote that token (its cache is trimmed by one and the token re-read)."""
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     m, tok = load(toy_pair_dirs[1])
     tok._tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

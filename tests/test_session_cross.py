@@ -3,13 +3,14 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
-
-from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.models import load, tokenizer_fingerprint
-from mlx_kvlingo.session import Session
-from mlx_kvlingo.transcript import TEMPLATE
-from mlx_kvlingo.translator import Translator
 from tiny import identity_translator
+
+from mlx_kvlingo.chat.session import Session
+from mlx_kvlingo.chat.transcript import TEMPLATE
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.geometry import tokenizer_fingerprint
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.translator.maps import Translator
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
@@ -92,7 +93,7 @@ def test_each_model_renders_its_own_template_and_template_tokens_are_native(toy_
     and a tiny model with a 300-token tokenizer and the plain format."""
     from tiny import tiny_model
 
-    from mlx_kvlingo.toy import build_tokenizer, load_tokenizer
+    from mlx_kvlingo.pairs.toy import build_tokenizer, load_tokenizer
 
     big, tok = load(toy_pair_dirs[1])
     tok._tokenizer.chat_template = CHAT_TEMPLATE
@@ -153,7 +154,7 @@ def test_truncate_then_regenerate_and_edit(twin_tokenizers):
 
 
 def test_multiturn_fidelity_on_text_is_exact_with_exact_cross_tokenizer_maps(twin_tokenizers):
-    from mlx_kvlingo.multiturn import multiturn_fidelity, text_conversations
+    from mlx_kvlingo.measure.multiturn import multiturn_fidelity, text_conversations
 
     m, ta, tb = twin_tokenizers
     doc = ("Return a new list containing all items from the iterable in ascending order. "

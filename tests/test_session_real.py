@@ -8,9 +8,9 @@ pytestmark = pytest.mark.network
 @pytest.fixture(scope="module")
 def real_session_parts():
     """The two real models and the translators shipped for them (no fitting here)."""
-    from mlx_kvlingo.models import load
-    from mlx_kvlingo.shipped import shipped_translator
-    from mlx_kvlingo.translator import load_translator
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.pairs.shipped import shipped_translator
+    from mlx_kvlingo.translator.maps import load_translator
 
     smol, stok = load("smollm2")
     gemma, gtok = load("gemma3")
@@ -21,7 +21,7 @@ def real_session_parts():
 
 
 def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
-    from mlx_kvlingo.session import Session
+    from mlx_kvlingo.chat.session import Session
 
     models, translators = real_session_parts
     (_, stok), (_, gtok) = models["smol"], models["gemma"]
@@ -46,8 +46,8 @@ def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
 
 
 def test_real_pair_multiturn_beats_no_context(real_session_parts):
-    from mlx_kvlingo import data
-    from mlx_kvlingo.multiturn import multiturn_fidelity, text_conversations
+    from mlx_kvlingo.data import corpus as data
+    from mlx_kvlingo.measure.multiturn import multiturn_fidelity, text_conversations
 
     models, translators = real_session_parts
     _, heldout = data.split_documents(data.stdlib_documents())
@@ -59,9 +59,9 @@ def test_real_pair_multiturn_beats_no_context(real_session_parts):
 
 
 def test_chat_and_serve_use_the_shipped_translators_for_the_short_names():
-    from mlx_kvlingo_cli.session_cmds import _build_session
+    from mlx_kvlingo.pairs.assemble import build_session
 
-    session = _build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
+    session = build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
     assert session.has_translator("smol", "gemma") and session.has_translator("gemma", "smol")
     assert session.translator("smol", "gemma").cross_tokenizer
     r = session.generate("smol", "Name a fruit.", max_tokens=4)

@@ -2,16 +2,16 @@
 
 import pytest
 
-from mlx_kvlingo import data
-from mlx_kvlingo.shipped import SHIPPED, shipped_translator
-from mlx_kvlingo.translator import load_translator
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.pairs.shipped import SHIPPED, shipped_translator
+from mlx_kvlingo.translator.maps import load_translator
 
 pytestmark = pytest.mark.network
 
 
 @pytest.fixture(scope="module")
 def models():
-    from mlx_kvlingo.models import load
+    from mlx_kvlingo.models.load import load
 
     return {name: load(name) for name in ("smollm2", "gemma3")}
 
@@ -30,8 +30,8 @@ def test_shipped_translator_fits_its_models_and_beats_no_context(models, source,
 
     # On a few held-out prose windows it keeps a good part of the context's value,
     # with and without its native tail.
-    from mlx_kvlingo.evaluate import evaluate_pair
-    from mlx_kvlingo.samples import AlignedText
+    from mlx_kvlingo.measure.evaluate import evaluate_pair
+    from mlx_kvlingo.train.samples import AlignedText
 
     _, heldout = data.split_documents(data.read_corpus("austen"))
     text = "\n\n".join(x for _, x in heldout)
@@ -47,7 +47,7 @@ def test_switch_uses_the_shipped_translator_and_its_calibrated_gate():
     import subprocess
     import sys
 
-    from mlx_kvlingo.shipped import GATE_THRESHOLD
+    from mlx_kvlingo.pairs.shipped import GATE_THRESHOLD
 
     text = " ".join(x for _, x in data.split_documents(data.read_corpus("austen"))[1])[:1500]
     proc = subprocess.run(

@@ -5,9 +5,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from tiny import tiny_model
 
-from mlx_kvlingo import data
-from mlx_kvlingo.distill import (
+from mlx_kvlingo.data import corpus as data
+from mlx_kvlingo.train.distill import (
     Batch,
     DistillConfig,
     Distiller,
@@ -15,13 +16,11 @@ from mlx_kvlingo.distill import (
     kl_loss,
     make_batch,
 )
-from mlx_kvlingo.fit import fit_stage1
-from mlx_kvlingo.samples import SharedTokens
-from mlx_kvlingo.store import FeatureStore
-from mlx_kvlingo.train import RunConfig, train
-from mlx_kvlingo.translator import Translator, load_translator
-
-from tiny import tiny_model
+from mlx_kvlingo.train.fit import fit_stage1
+from mlx_kvlingo.train.loop import RunConfig, train
+from mlx_kvlingo.train.samples import SharedTokens
+from mlx_kvlingo.train.store import FeatureStore
+from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +224,7 @@ def test_rms_scaled_adamw_moves_each_tensor_by_the_same_relative_amount():
 
 def test_budget_plans_steps_from_measured_costs():
     from mlx_kvlingo.errors import KvlingoError
-    from mlx_kvlingo.train import plan_steps
+    from mlx_kvlingo.train.loop import plan_steps
 
     # Stored: the pool's frozen passes once, then updates only.
     assert plan_steps(3600, 600, prepare_s=10, update_s=2, pool=60) == (3600 - 600 - 600) // 2
@@ -240,12 +239,12 @@ def test_budget_plans_steps_from_measured_costs():
 
 def test_budget_and_duration_parsing_in_the_cli():
     from mlx_kvlingo.errors import KvlingoError
-    from mlx_kvlingo_cli.main import _duration
+    from mlx_kvlingo_cli.main import parse_duration
 
-    assert [_duration(t) for t in ("1h", "45m", "1h30m", "90s", "3600")] == [
+    assert [parse_duration(t) for t in ("1h", "45m", "1h30m", "90s", "3600")] == [
         3600, 2700, 5400, 90, 3600]
     with pytest.raises(KvlingoError, match="duration"):
-        _duration("soon")
+        parse_duration("soon")
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", True), ("llama", False), ("qwen3", True),
@@ -253,7 +252,7 @@ def test_budget_and_duration_parsing_in_the_cli():
 def test_last_logits_equal_the_full_forward(arch, tied):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_kvlingo.models import last_logits
+    from mlx_kvlingo.models.cache import last_logits
 
     m = tiny_model(arch, seed=5, tie_word_embeddings=tied)
     assert ("lm_head" in m) != tied
@@ -265,7 +264,7 @@ def test_last_logits_equal_the_full_forward(arch, tied):
 
 @pytest.mark.parametrize("rank, pool", [(0, 0), (2, 3)])
 def test_probe_measures_a_step_without_training(pair, rank, pool):
-    from mlx_kvlingo.train import probe_step_cost
+    from mlx_kvlingo.train.loop import probe_step_cost
 
     src, tgt, t, stream = pair
     before = [np.array(m.weight) for m in t.k_maps + t.v_maps]
@@ -285,8 +284,8 @@ def test_native_features_are_the_targets_own_prefill(pair):
     """The target K/V a batch keeps for a stage-1 fit (read off the teacher's
     prefill, before the continuation moves the sliding windows) equal a fresh
     prefill's, and with_native_features (for stored batches) gives the same."""
-    from mlx_kvlingo.distill import with_native_features
-    from mlx_kvlingo.models import token_features
+    from mlx_kvlingo.models.features import token_features
+    from mlx_kvlingo.train.distill import with_native_features
 
     src, tgt, t, stream = pair
     assert any(g.window for g in t.spec.target.cache_geometry.layers)  # a sliding layer
@@ -330,9 +329,9 @@ def test_stage1_from_the_store_equals_a_fit_on_its_samples(pair, tmp_path, monke
     """store_fit_features builds the whole pool, gives the fit exactly the pool's
     samples (source features of every layer, target K/V of the translated
     positions), and stage 2 then reads the store instead of sampling again."""
-    from mlx_kvlingo.fit import fit_features
-    from mlx_kvlingo.models import token_features
-    from mlx_kvlingo.train import store_fit_features
+    from mlx_kvlingo.models.features import token_features
+    from mlx_kvlingo.train.fit import fit_features
+    from mlx_kvlingo.train.loop import store_fit_features
 
     src, tgt, t, stream = pair
     d = DistillConfig(steps=4, lr=1e-3, batch_size=2, accumulate=1, seed=5, teacher_topk=8)

@@ -8,12 +8,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
+from tiny import identity_translator
 
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.models import cache_length, prefill
-from mlx_kvlingo.switch import generate_after_switch, switch
-from mlx_kvlingo.translator import Translator
-from tiny import identity_translator
+from mlx_kvlingo.models.cache import cache_length, prefill
+from mlx_kvlingo.switching.api import switch
+from mlx_kvlingo.switching.generate import generate_after_switch
+from mlx_kvlingo.translator.maps import Translator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,9 +70,9 @@ def test_retained_spans_rebuild_the_native_cache(arch):
     """Multi-turn: the target translates only the spans the other model wrote, and
     processes its own turns itself; with an exact translator the result equals a
     native prefill of the whole transcript."""
-    from mlx_kvlingo.switch import translate_span
-
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import translate_span
 
     m = tiny_model(arch)
     t = Translator.for_models(m, m)
@@ -100,9 +101,10 @@ def test_context_longer_than_the_target_allows_is_refused():
 def test_the_switch_command_refuses_a_long_context_before_any_prefill(monkeypatch):
     """`mlx-kvlingo switch` checks the length first: a too-long prompt fails at once,
     not after the source has read all of it."""
+    from tiny import tiny_model
+
     import mlx_kvlingo.models
     from mlx_kvlingo_cli.main import run_switch
-    from tiny import tiny_model
 
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefilled before the length check")
@@ -126,7 +128,7 @@ def _random_translator(src, tgt, seed=0, **kw):
 
 
 def _layers(cache):
-    from mlx_kvlingo.models import read_layer
+    from mlx_kvlingo.models.cache import read_layer
 
     return [read_layer(c) for c in cache]
 
@@ -140,10 +142,10 @@ def test_fresh_cache_path_equals_the_layer_by_layer_path(arch, token_layers):
     extending an empty one through the general path (where sliding layers map only
     the rows they keep, token maps included), for a random translator."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_kvlingo.align import NATIVE, identity_alignment
-    from mlx_kvlingo.switch import translate_aligned
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import translate_aligned
+    from mlx_kvlingo.translator.align import NATIVE, identity_alignment
 
     m = tiny_model(arch)
     t = _random_translator(m, m, sources_per_layer=2 if arch == "llama" else 1,
@@ -172,8 +174,10 @@ def test_fresh_cache_path_equals_the_layer_by_layer_path(arch, token_layers):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
 def test_native_tail_with_an_exact_translator_equals_a_native_prefill(arch):
-    from mlx_kvlingo.switch import first_step, translate_context
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import translate_context
+    from mlx_kvlingo.switching.generate import first_step
 
     m = tiny_model(arch)
     t = Translator.for_models(m, m)
@@ -195,8 +199,10 @@ def test_native_tail_with_an_exact_translator_equals_a_native_prefill(arch):
 
 def test_a_native_tail_of_the_whole_context_is_a_native_prefill():
     """With any translator, a tail covering every position translates nothing."""
-    from mlx_kvlingo.switch import first_step, translate_context
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import translate_context
+    from mlx_kvlingo.switching.generate import first_step
 
     m = tiny_model("qwen3")
     t = _random_translator(m, m)
@@ -215,8 +221,9 @@ def test_native_tail_positions_read_the_translated_ones():
     """What is exact about a tail on top of an inexact translation: its layer-0 K/V
     (they depend only on its tokens and positions), not deeper layers (the tail
     attends to translated positions), and the translated positions are untouched."""
-    from mlx_kvlingo.switch import translate_context
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import translate_context
 
     m = tiny_model("llama")
     t = _random_translator(m, m)
@@ -236,9 +243,10 @@ def test_native_tail_positions_read_the_translated_ones():
 
 
 def test_native_tail_defaults_to_the_translator_and_round_trips(tmp_path):
-    from mlx_kvlingo.errors import TranslatorFileError
-    from mlx_kvlingo.translator import load_translator
     from tiny import tiny_model
+
+    from mlx_kvlingo.errors import TranslatorFileError
+    from mlx_kvlingo.translator.maps import load_translator
 
     m = tiny_model("qwen2")
     t = _random_translator(m, m)
@@ -259,9 +267,9 @@ def test_native_tail_defaults_to_the_translator_and_round_trips(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "mistral", "gemma3_text"])
 def test_last_logits_equal_the_models_own_last_position(arch):
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_kvlingo.switch import last_logits
     from tiny import tiny_model
+
+    from mlx_kvlingo.models.cache import last_logits
 
     m = tiny_model(arch)
     tokens = mx.random.randint(0, 97, (1, 9), key=mx.random.key(9))
@@ -297,8 +305,9 @@ def test_switch_runs_on_worker_threads():
     server's MLX thread) works and builds the same cache."""
     import threading
 
-    from mlx_kvlingo.session import finish_thread
     from tiny import tiny_model
+
+    from mlx_kvlingo.chat.session import finish_thread
 
     m = tiny_model("qwen3")
     t = _random_translator(m, m)
@@ -325,9 +334,9 @@ def test_a_switch_holds_at_most_one_layer_of_intermediates():
     features and map outputs (issue 11's bound), however many layers the model has:
     the loop must not queue every layer's work at once, and the two units it keeps
     in flight are a layer's keys or values, not whole layers."""
-    from mlx_kvlingo.switch import switch
-
     from tiny import tiny_model
+
+    from mlx_kvlingo.switching.api import switch
 
     model = tiny_model("llama", num_hidden_layers=16, hidden_size=256, num_attention_heads=8,
                        num_key_value_heads=8, intermediate_size=256)

@@ -7,15 +7,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
-from mlx_kvlingo.align import NATIVE, identity_alignment
-from mlx_kvlingo.distill import LowRankMaps, kl_loss, make_batch, translated_cache
-from mlx_kvlingo.errors import KvlingoError, TranslatorFileError, TranslatorMismatch
-from mlx_kvlingo.models import cache_features, prefill, read_layer, token_features, token_inputs
-from mlx_kvlingo.switch import translate_aligned
-from mlx_kvlingo.translator import METADATA_KEY, Translator, load_translator
-
 from tiny import tiny_model
+
+from mlx_kvlingo.errors import KvlingoError, TranslatorFileError, TranslatorMismatch
+from mlx_kvlingo.models.cache import cache_features, prefill, read_layer
+from mlx_kvlingo.models.features import token_features, token_inputs
+from mlx_kvlingo.switching.api import translate_aligned
+from mlx_kvlingo.train.distill import LowRankMaps, kl_loss, make_batch, translated_cache
+from mlx_kvlingo.translator.align import NATIVE, identity_alignment
+from mlx_kvlingo.translator.maps import METADATA_KEY, Translator, load_translator
 
 
 def _translator(src, tgt, token_layers, seed=0):
@@ -157,7 +157,7 @@ def test_frozen_token_maps_stay_at_their_fit_while_the_rest_trains(rank):
     """``token_maps="frozen"``: a stage-2 step moves the correction (or, at rank 0,
     the source maps) and leaves every token map exactly as stage 1 fitted it; the
     default trains them."""
-    from mlx_kvlingo.distill import DistillConfig, Distiller
+    from mlx_kvlingo.train.distill import DistillConfig, Distiller
 
     src, tgt = tiny_model("qwen2", seed=1), tiny_model("gemma3_text", seed=2)
     w = mx.random.randint(0, 97, (2, 26), key=mx.random.key(9))
@@ -184,7 +184,7 @@ def test_the_shared_gram_fits_token_maps_jointly_with_the_source_terms():
     """A token layer's map is the ridge fit on [chosen source layers, token inputs]:
     the same weights as a direct solve on those columns, split into the source map
     and the token map; it fits better than the source layers alone."""
-    from mlx_kvlingo.fit import fit_selected, ridge_solve, Moments
+    from mlx_kvlingo.train.fit import Moments, fit_selected, ridge_solve
 
     src, tgt = tiny_model("llama", seed=3), tiny_model("qwen3", seed=4)
     t = Translator.for_models(src, tgt, token_layers=[2])
@@ -210,7 +210,7 @@ def test_the_shared_gram_fits_token_maps_jointly_with_the_source_terms():
     np.testing.assert_allclose(np.array(chosen.k_tok[0].weight), w[:, n:], rtol=1e-2, atol=5e-4)
     assert report.r2_keys[2] == pytest.approx(r2, abs=1e-4)
     # Token maps need the shared-Gram fit; the plain fit says so.
-    from mlx_kvlingo.fit import fit_features
+    from mlx_kvlingo.train.fit import fit_features
 
     with pytest.raises(KvlingoError, match="select-layers"):
         fit_features(Translator.for_models(src, tgt, token_layers=[1]), [])

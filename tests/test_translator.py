@@ -9,19 +9,18 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import tiny_model
 
 from mlx_kvlingo.errors import KvlingoError, TranslatorFileError, TranslatorMismatch
-from mlx_kvlingo.models import read_layer
-from mlx_kvlingo.switch import translate_context
-from mlx_kvlingo.translator import (
+from mlx_kvlingo.models.cache import read_layer
+from mlx_kvlingo.switching.api import translate_context
+from mlx_kvlingo.translator.maps import (
     FORMAT_VERSION,
     METADATA_KEY,
     Translator,
     load_translator,
     nearest_layer_map,
 )
-
-from tiny import tiny_model
 
 
 @functools.lru_cache(maxsize=None)

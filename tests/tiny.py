@@ -47,7 +47,7 @@ def identity_translator(model, source_tokenizer=None, target_tokenizer=None, sca
     identity: 1 is exact (a switch must change nothing), 0 carries nothing (every
     translated key and value is zero). Two different tokenizers make it a
     cross-tokenizer translator."""
-    from mlx_kvlingo.translator import Translator
+    from mlx_kvlingo.translator.maps import Translator
 
     t = Translator.for_models(model, model, source_tokenizer,
                               target_tokenizer if target_tokenizer is not None else source_tokenizer)

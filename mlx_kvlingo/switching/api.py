@@ -1,0 +1,235 @@
+"""Switching a context from one model to another: translate the cache, then decode.
+
+A switch replaces the target's prefill of the context with (1) a map over the
+source's cache (:mod:`.kernel`) and (2) one decoding step of the target on the
+context's last token (:func:`.generate.first_step`; with a native tail, on its
+last m + 1 tokens).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import KvlingoError
+from ..models.cache import prefill
+from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
+from ..translator.maps import Translator
+from .kernel import EarlyLayer, map_early_layer, translate_into
+
+
+def as_batch(tokens) -> mx.array:
+    """Token ids as [B, T]; a context needs at least 2 tokens (one to translate, one
+    for the target's own step)."""
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise KvlingoError(
+            f"A context needs at least 2 tokens to switch; got shape {tuple(tokens.shape)}."
+        )
+    return tokens
+
+
+def translate_span(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    source_cache: List,
+    target_cache: Optional[List],
+    tokens,
+    end: int,
+) -> List:
+    """Extend ``target_cache`` (holding ``tokens[:start]``, or None for start = 0) to
+    ``tokens[:end]`` with positions start..end-1 translated from ``source_cache``,
+    which must hold them. Returns the extended target cache.
+
+    This is the whole of a multi-turn switch ("retained span", DESIGN §2): each
+    model keeps its own cache and only the span the other model wrote since is
+    translated. Positions below ``translator.spec.native_prefix`` (the attention
+    sink) are computed by the target itself. Both models share the tokenizer; see
+    :func:`translate_aligned` for other pairs.
+    """
+    tokens = as_batch(tokens)
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return translate_aligned(
+        source, target, translator, source_cache, target_cache, alignment, end, tokens
+    )
+
+
+def translate_aligned(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    source_cache: List,
+    target_cache: Optional[List],
+    alignment: Alignment,
+    end: int,
+    target_tokens: Optional[mx.array] = None,
+    native_tail: Optional[int] = 0,
+) -> List:
+    """Extend ``target_cache`` to target positions ..end-1 of ``alignment``: native
+    positions are computed by the target, in order; the others are translated from
+    the source positions they are aligned to (which ``source_cache`` must hold).
+
+    ``target_tokens``: [B, T] ids when B > 1 (default: ``alignment.target_tokens``).
+    ``native_tail``: the last m positions before ``end`` are computed by the target
+    itself on top of the translated ones (None: the translator's default,
+    ``spec.native_tail``). Spans of a conversation (Session, training) pass 0.
+    With ``spec.native_layer0`` the target computes layer 0 of every position
+    itself (models.layer0_kv) instead of translating it.
+    """
+    m = resolve_native_tail(translator, native_tail)
+    alignment = alignment.with_native_prefix(translator.spec.native_prefix)
+    alignment = alignment.withresolve_native_tail(m, end)
+    return translate_into(source, target, translator, source_cache, target_cache, alignment,
+                      end, target_tokens, room=1)
+
+
+def resolve_native_tail(translator: Translator, native_tail: Optional[int]) -> int:
+    m = getattr(translator.spec, "native_tail", 0) if native_tail is None else native_tail
+    if not isinstance(m, int) or m < 0:
+        raise KvlingoError(f"native_tail must be a count >= 0, got {m!r}.")
+    return m
+
+
+def translate_cache(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    source_cache: List,
+    tokens,
+    length: Optional[int] = None,
+    native_tail: Optional[int] = 0,
+) -> List:
+    """A fresh target prompt cache for ``tokens[:length]`` from a source cache that has
+    processed at least ``length`` tokens (``length`` defaults to ``len(tokens) - 1``,
+    leaving the last token for the target's own decoding step). ``native_tail``: as
+    in :func:`translate_aligned`."""
+    tokens = as_batch(tokens)
+    length = tokens.shape[1] - 1 if length is None else length
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return translate_aligned(source, target, translator, source_cache, None, alignment,
+                             length, tokens, native_tail=native_tail)
+
+
+def translate_context(
+    source: nn.Module, target: nn.Module, translator: Translator, tokens,
+    native_tail: Optional[int] = None,
+) -> List:
+    """Prefill the source on ``tokens[:-1]`` and translate its cache for the target;
+    the last ``native_tail`` positions of it (default: the translator's
+    ``spec.native_tail``) are computed by the target itself."""
+    tokens = as_batch(tokens)
+    source_cache = prefill(source, tokens[:, :-1])
+    return translate_cache(source, target, translator, source_cache, tokens,
+                           native_tail=resolve_native_tail(translator, native_tail))
+
+
+@dataclass
+class SwitchResult:
+    cache: List  # target prompt cache holding the context but its `pending` tokens
+    # What the target reads in its first step: the native tail (if any), then the
+    # context's last token. Cache + pending = the whole context.
+    pending: mx.array
+    translate_s: float  # building `cache` (source cache given; alignment included)
+
+    @property
+    def last_token(self) -> mx.array:
+        """The context's last token."""
+        return self.pending[-1:]
+
+
+def switch(
+    source: nn.Module,
+    target: nn.Module,
+    translator: Translator,
+    tokens,
+    source_cache: Optional[List] = None,
+    native_tail: Optional[int] = None,
+) -> SwitchResult:
+    """Hand a context over to the target model.
+
+    ``source_cache``: the source's live cache of the context (what it has after its
+    turn). Without it the source prefills the context first (not timed).
+    ``native_tail``: the target computes the last m context tokens before the last
+    one itself (default: the translator's ``spec.native_tail``). They are left
+    ``pending``: the target reads them with the last token in its first step, one
+    pass over its weights (see :func:`first_step`).
+    """
+    tokens = as_batch(tokens)
+    if tokens.shape[0] != 1:
+        raise KvlingoError("switch() takes one sequence at a time.")
+    if source_cache is None:
+        source_cache = prefill(source, tokens[:, :-1])
+        mx.eval([(c.keys, c.values) for c in source_cache])
+    t0 = time.perf_counter()
+    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
+    return switch_aligned(source, target, translator, source_cache, alignment, tokens,
+                           resolve_native_tail(translator, native_tail), t0)
+
+
+def switch_aligned(source, target, translator, source_cache, alignment, tokens, m: int,
+                    t0: float, phases: Optional[dict] = None,
+                    early: Optional["EarlyLayer"] = None) -> SwitchResult:
+    """Translate all target positions but the last m + 1, which are left pending.
+    ``phases``: profile the translation into it (see :func:`_phase`); ``early``: see
+    :func:`map_early_layer`."""
+    n = tokens.shape[1]
+    end = max(n - 1 - m, 0)
+    if end:
+        alignment = alignment.with_native_prefix(translator.spec.native_prefix)
+        if phases is not None:
+            phases["_mark"] = time.perf_counter()
+        cache = translate_into(source, target, translator, source_cache, None, alignment, end,
+                           tokens, room=n - end, phases=phases, early=early)
+        if phases is not None:
+            phases.pop("_mark", None)
+        mx.eval([(c.keys, c.values) for c in cache])
+    else:
+        cache = make_prompt_cache(target)
+    return SwitchResult(cache, tokens[0, end:], time.perf_counter() - t0)
+
+
+def switch_text(
+    source: nn.Module,
+    source_tokenizer,
+    target: nn.Module,
+    target_tokenizer,
+    translator: Translator,
+    text: str,
+    source_cache: Optional[List] = None,
+    native_tail: Optional[int] = None,
+    source_tokens: Optional[tuple] = None,
+) -> SwitchResult:
+    """Hand a plain-text context over to the target, whatever the two tokenizers.
+
+    Both models tokenize ``text`` (special tokens included); with a cross-tokenizer
+    translator the target's tokens are aligned to the source's by characters (part
+    of the timed switch). ``source_cache``: the source's live cache of its
+    tokenization of ``text``. ``native_tail``: as in :func:`switch`, in target
+    tokens. ``source_tokens``: the source's (ids, offsets) of ``text``
+    (align.tokenize_with_offsets), which a caller that prefilled the source has
+    already: the switch then tokenizes only for the target (~7 ms less for 4,000
+    SmolLM2 tokens here).
+    """
+    if not translator.cross_tokenizer:
+        tokens = mx.array(source_tokenizer.encode(text))
+        return switch(source, target, translator, tokens, source_cache=source_cache,
+                      native_tail=native_tail)
+    m = resolve_native_tail(translator, native_tail)
+    if source_cache is None:
+        source_tokens = source_tokens or tokenize_with_offsets(source_tokenizer, text)
+        source_cache = prefill(source, mx.array(source_tokens[0])[None])
+        mx.eval([(c.keys, c.values) for c in source_cache])
+    t0 = time.perf_counter()
+    early = map_early_layer(source, target, translator, source_cache)
+    alignment = align_text(source_tokenizer, target_tokenizer, text,
+                           translator.spec.native_prefix, source_tokens)
+    if len(alignment.target_tokens) < 2:
+        raise KvlingoError("A context needs at least 2 target tokens to switch.")
+    tokens = mx.array(alignment.target_tokens)[None]
+    return switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
+                           early=early)
