@@ -1,4 +1,4 @@
-"""Lever 4 of issue 9: value maps fitted against the target's own attention.
+"""Value maps fitted against the target's own attention.
 
 From one pass over the same fit windows, two stage-1 translators with the layer map
 of TRANSLATOR (e.g. a shipped file's: which source layers each map reads):

@@ -1,6 +1,6 @@
 """`mlx-kvlingo demo` end to end under each BLAS, side by side in one run.
 
-Issue 12's bar: on a machine without a system OpenBLAS the README's first command
+The bar: on a machine without a system OpenBLAS the README's first command
 (which preloads the mkl wheel) must take at most 1.5x the time it takes with
 OpenBLAS, and MLX's fp32 GEMM must reach 70 % of numpy's. This runs `inspect` and
 the demo in fresh processes, alternating ``MLX_KVLINGO_BLAS=mkl`` / ``openblas`` /

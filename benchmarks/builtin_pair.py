@@ -61,7 +61,7 @@ def main():
         src_dir, tgt_dir = tgt_dir, src_dir
     src, stok = load(src_dir)
     tgt, ttok = load(tgt_dir)
-    pair = toy.toypair_data(stok)
+    pair = toy.toy_pair_data(stok)
     t0 = time.perf_counter()
     stage1, report = toy.fit_translator(src, stok, tgt, ttok, pair, args.fit_tokens)
     fit_s = time.perf_counter() - t0

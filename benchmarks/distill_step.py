@@ -1,6 +1,6 @@
 """Cost of one stage-2 step: fresh frozen passes vs the feature store, side by side.
 
-The shapes of the issue that asked for it: 2 sequences of 512-token contexts and
+The shapes of the shipped recipe: 2 sequences of 512-token contexts and
 64-token continuations, SmolLM2-135M -> Gemma 3 270M (the 262k-vocabulary target,
 the expensive direction) and back. For each repeat, in one process and interleaved:
 

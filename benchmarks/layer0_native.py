@@ -1,5 +1,5 @@
 """Layer 0 computed by the target itself vs translated: the shipped translators,
-paired on the same held-out windows (issue 9, lever 2).
+paired on the same held-out windows .
 
 The target's layer-0 K/V depend only on each token and its position, so the
 target can compute them exactly (models.layer0_kv) instead of reading them from

@@ -1,8 +1,7 @@
-"""The same translation by the two paths of `switch._translate`, side by side: into a
+"""The same translation by the two paths of `switching.kernel.translate_into`, side by side: into a
 fresh cache (what a switch does: buffers written in place, each target layer mapping
 only the rows it keeps, e.g. the last 512 for a Gemma 3 sliding-window layer) and
-extending an empty `make_prompt_cache` (what a Session's catch-up does; until the
-seventeenth session it mapped every row for every layer, 3.7x the fresh path's time at
+extending an empty `make_prompt_cache` (what a Session's catch-up does; it once mapped every row for every layer, 3.7x the fresh path's time at
 3,884 positions, `benchmarks/results/session-extend.json`). SmolLM2 -> Gemma 3 with the
 shipped file, on Austen text; medians, interleaved.
 

@@ -88,9 +88,11 @@ def _describe(model) -> str:
 def _fit_builtin(src, stok, tgt, ttok, pair, fit_tokens: int):
     from mlx_kvlingo.pairs import toy
 
-    with typer.progressbar(length=max(fit_tokens // 256, 1) * 255, label="Fitting stage 1") as bar:
-        translator, report = toy.fit_translator(src, stok, tgt, ttok, pair, fit_tokens,
-                                                progress=bar.update)
+    def progress(total, label):
+        return typer.progressbar(length=total, label="Fitting stage 1")
+
+    translator, report = toy.fit_translator(src, stok, tgt, ttok, pair, fit_tokens,
+                                            progress=progress)
     r = report.to_dict()
     typer.echo(f"Stage 1 on {r['tokens']} positions in {r['seconds']:.1f}s: mean R² keys "
                f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")

@@ -44,3 +44,14 @@ def toy_pair(toy_pair_dirs):
     src, stok = load(toy_pair_dirs[0])
     tgt, ttok = load(toy_pair_dirs[1])
     return src, stok, tgt, ttok
+
+
+@pytest.fixture(scope="session")
+def kv_cache_dir(tmp_path_factory):
+    """A cache dir holding the built-in pair's stage-1 translators, fitted once per
+    test run and shared by the session, CLI and example tests."""
+    from mlx_kvlingo.pairs.builtin import builtin_session
+
+    path = tmp_path_factory.getbasetemp() / "kvlingo-cache"
+    builtin_session(cache_dir=path)
+    return path

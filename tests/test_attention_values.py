@@ -1,4 +1,4 @@
-"""Lever 4 (issue 9): value maps fitted against the target's own attention."""
+"""Value maps fitted against the target's own attention."""
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error and changes nothing (issue: reliability).
+"""Bad input gets a clear error and changes nothing.
 
 Each case runs the command a user would run and checks the message, the exit status,
 and that no output file was written or an existing one left byte-for-byte intact.

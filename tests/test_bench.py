@@ -7,14 +7,8 @@ import mlx.core as mx
 import typer
 from typer.testing import CliRunner
 
-from mlx_kvlingo.measure.ttft import (
-    apply_rope_tables,
-    format_rows,
-    format_split,
-    measure_ttft,
-    plot_ttft,
-    rope_tables,
-)
+from mlx_kvlingo.measure.ttft import format_rows, format_split, measure_ttft, plot_ttft
+from mlx_kvlingo.models.rope import apply_rope_tables, rope_tables
 from mlx_kvlingo.translator.maps import Translator
 
 KEYS = {"context", "prefill_s", "switch_s", "ratio", "translate_s", "decode_s",

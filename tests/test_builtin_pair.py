@@ -1,4 +1,4 @@
-"""Recurring documents, CBR intervals, and the bar for the built-in pair (issue 12):
+"""Recurring documents, CBR intervals, and the bar for the built-in pair:
 its target gains >= 1 nat/token from context, and stage 2 beats stage 1 on CBR."""
 
 
@@ -99,7 +99,7 @@ def test_training_logs_the_heldout_context_benefit():
 
 @pytest.mark.slow
 def test_the_shipped_pair_uses_its_context_and_stage_2_beats_stage_1():
-    """Issue 12's bar on the shipped pair (build_toy_pair with a shared embedding):
+    """The bar on the shipped pair (build_toy_pair with a shared embedding):
     on 48 held-out windows of recurring documents the target gains >= 1 nat/token
     from 256 tokens of context (so CBR is a signal, not noise), and the shipped
     stage-2 translator (2,500 distillation steps) keeps more of that benefit than a

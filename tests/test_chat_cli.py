@@ -11,18 +11,8 @@ import time
 
 import pytest
 
-from mlx_kvlingo.pairs.builtin import builtin_session
-
 CLI = ("import mlx_kvlingo, typer; from mlx_kvlingo_cli.session_cmds import register; "
        "app = typer.Typer(add_completion=False); register(app); app()")
-
-
-@pytest.fixture(scope="module")
-def kv_cache_dir(tmp_path_factory):
-    """The built-in pair's stage-1 translators, fitted once per test session."""
-    path = tmp_path_factory.getbasetemp() / "kvlingo-cache"
-    builtin_session(cache_dir=path)
-    return path
 
 
 _STARTED = []  # terminals of the running test, killed after it whatever happened

@@ -1,7 +1,7 @@
 """The conversation store and router behind `serve`, without sockets."""
 
 import pytest
-from tiny import identity_translator
+from tiny import identity_translator, user
 
 from mlx_kvlingo.chat.session import Session
 from mlx_kvlingo.serve.conversations import (
@@ -28,10 +28,6 @@ def run(store, model, messages, **kw):
     assert events[0][0] == "start" and events[-1][0] == "done"
     text = "".join(v for k, v in events if k == "delta")
     return text, events[-1][1]
-
-
-def user(text):
-    return {"role": "user", "content": text}
 
 
 def test_requests_extend_a_conversation_and_a_switch_translates(base):

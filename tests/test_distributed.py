@@ -36,13 +36,14 @@ WORKER = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])  # tests/, for tiny
     import mlx_kvlingo  # noqa: F401  (fast BLAS first)
     import numpy as np
-    from mlx_kvlingo import data, distributed
-    from mlx_kvlingo.distill import DistillConfig, Distiller
-    from mlx_kvlingo.fit import fit_selected, fit_stage1
-    from mlx_kvlingo.models import token_features
-    from mlx_kvlingo.samples import SharedTokens
-    from mlx_kvlingo.train import RunConfig
-    from mlx_kvlingo.translator import Translator
+    from mlx_kvlingo.data import corpus as data
+    from mlx_kvlingo.models.features import token_features
+    from mlx_kvlingo.train import distributed
+    from mlx_kvlingo.train.distill import DistillConfig, Distiller
+    from mlx_kvlingo.train.fit import fit_selected, fit_stage1
+    from mlx_kvlingo.train.loop import RunConfig
+    from mlx_kvlingo.train.samples import SharedTokens
+    from mlx_kvlingo.translator.maps import Translator
     from tiny import tiny_model
 
     mode, out = sys.argv[2], sys.argv[3]

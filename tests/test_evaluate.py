@@ -4,17 +4,10 @@ and paired differences."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import identity_translator, tiny_model
 
 from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_translators
 from mlx_kvlingo.translator.maps import Translator
-
-
-def _identity(m):
-    t = Translator.for_models(m, m)
-    for lin in t.k_maps + t.v_maps:
-        lin.weight = mx.eye(lin.weight.shape[0])
-    return t
 
 
 def _zero(m):
@@ -32,7 +25,7 @@ def _windows(n=6, length=40, seed=0):
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_identity_is_native_and_zero_maps_are_not(arch):
     m = tiny_model(arch, seed=1)
-    ident, zero = evaluate_translators(m, m, [_identity(m), _zero(m)], _windows(), 30)
+    ident, zero = evaluate_translators(m, m, [identity_translator(m), _zero(m)], _windows(), 30)
     assert len(ident.windows) == 6 and ident.tokens == 60
     assert ident.kl < 1e-6 and ident.top1 == 1.0
     assert ident.attention_cosine == pytest.approx([1.0] * len(m.layers), abs=1e-4)

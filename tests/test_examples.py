@@ -5,20 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from mlx_kvlingo.chat.session import builtin_session
 from mlx_kvlingo.translator.maps import load_translator
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def kv_cache_dir(tmp_path_factory):
-    """The built-in pair's stage-1 translators, fitted once per test session."""
-    path = tmp_path_factory.getbasetemp() / "kvlingo-cache"
-    builtin_session(cache_dir=path)
-    return path
 
 
 def run(script, *args, stdin=None, env=None):

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 from mlx_lm.utils import _get_classes
-from tiny import CONFIGS, tiny_model
+from tiny import CONFIGS, identity_translator, tiny_model
 
 from mlx_kvlingo import models as kv_models
 from mlx_kvlingo.errors import KvlingoError, UnsupportedModel
@@ -36,18 +36,6 @@ content_features = kv_models.cache_features
 def model(name):
     """One shared tiny model per architecture (tests never modify models)."""
     return tiny_model(name)
-
-
-def identity_translator(m, native_prefix=1):
-    t = Translator.for_models(m, m, native_prefix=native_prefix)
-    assert t.spec.layer_map == [[i] for i in range(len(m.layers))]
-    for maps in (t.k_maps, t.v_maps):
-        for lin in maps:
-            rows, cols = lin.weight.shape
-            assert rows == cols
-            lin.weight = mx.eye(rows)
-    mx.eval(t.parameters())
-    return t
 
 
 def tokens(n, seed, vocab=97):

@@ -6,6 +6,7 @@ import time
 
 import openai
 import pytest
+from tiny import user
 
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.serve.conversations import AutoRoute, ConversationStore
@@ -49,10 +50,6 @@ def serve(base):
     yield start
     for r in running:
         r.close()
-
-
-def user(text):
-    return {"role": "user", "content": text}
 
 
 def test_models_plain_and_streamed_answers_and_a_switch(serve):

@@ -4,8 +4,7 @@ import threading
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import stream_generate
-from tiny import identity_translator
+from tiny import identity_translator, native_greedy
 
 from mlx_kvlingo.chat.session import Session, finish_thread, format_reports
 from mlx_kvlingo.errors import KvlingoError
@@ -24,10 +23,6 @@ def twin_session(model, tok, both=True, **kw):
     if both:
         translators["b", "a"] = identity_translator(model, tok)
     return Session({"a": (model, tok), "b": (model, tok)}, translators, **kw)
-
-
-def native_greedy(model, tok, tokens, n):
-    return [r.token for r in stream_generate(model, tok, mx.array(tokens), max_tokens=n)]
 
 
 def next_logits(model, cache, token):
@@ -248,15 +243,6 @@ def test_multiturn_fidelity_is_exact_with_exact_translators(target):
             assert abs(r.nll_session - r.nll_native) < 1e-3 and r.kl < 1e-4 and r.top1 == 1.0
             assert r.translated_tokens > 0
     assert "| 4 |" in format_markdown(res)
-
-
-@pytest.fixture(scope="module")
-def kv_cache_dir(tmp_path_factory):
-    """A cache dir holding the built-in pair's stage-1 translators (fitted once per
-    test session, shared with the CLI and example tests)."""
-    path = tmp_path_factory.getbasetemp() / "kvlingo-cache"
-    builtin_session(cache_dir=path)
-    return path
 
 
 def test_builtin_session_switches_between_the_pair(kv_cache_dir, toy_pair):

@@ -2,8 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import stream_generate
-from tiny import identity_translator
+from tiny import identity_translator, native_greedy
 
 from mlx_kvlingo.chat.session import Session
 from mlx_kvlingo.chat.transcript import TEMPLATE
@@ -22,10 +21,6 @@ def identity(model, tok_a, tok_b):
     t = identity_translator(model, tok_a, tok_b)
     assert t.cross_tokenizer
     return t
-
-
-def native_greedy(model, tok, tokens, n):
-    return [r.token for r in stream_generate(model, tok, mx.array(tokens), max_tokens=n)]
 
 
 def assert_greedy_under_native(model, tokens, start, tol=1e-3):

@@ -103,13 +103,13 @@ def test_the_switch_command_refuses_a_long_context_before_any_prefill(monkeypatc
     not after the source has read all of it."""
     from tiny import tiny_model
 
-    import mlx_kvlingo.models
-    from mlx_kvlingo_cli.main import run_switch
+    from mlx_kvlingo.measure import compare
+    from mlx_kvlingo.measure.compare import run_switch
 
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefilled before the length check")
 
-    monkeypatch.setattr(mlx_kvlingo.models, "prefill", no_prefill)
+    monkeypatch.setattr(compare, "prefill", no_prefill)
     m = tiny_model("qwen2", max_position_embeddings=16)
     t = Translator.for_models(m, m)
     with pytest.raises(KvlingoError, match="at most 16 positions"):
@@ -331,7 +331,7 @@ def test_switch_runs_on_worker_threads():
 
 def test_a_switch_holds_at_most_one_layer_of_intermediates():
     """Peak memory of a switch: the target cache it builds plus one layer's source
-    features and map outputs (issue 11's bound), however many layers the model has:
+    features and map outputs (the bound), however many layers the model has:
     the loop must not queue every layer's work at once, and the two units it keeps
     in flight are a layer's keys or values, not whole layers."""
     from tiny import tiny_model

@@ -42,7 +42,8 @@ def tiny_model(name, seed=0, **overrides):
     return model
 
 
-def identity_translator(model, source_tokenizer=None, target_tokenizer=None, scale=1.0):
+def identity_translator(model, source_tokenizer=None, target_tokenizer=None, scale=1.0,
+                        native_prefix=1):
     """A translator from ``model`` to itself whose maps are ``scale`` times the
     identity: 1 is exact (a switch must change nothing), 0 carries nothing (every
     translated key and value is zero). Two different tokenizers make it a
@@ -50,7 +51,22 @@ def identity_translator(model, source_tokenizer=None, target_tokenizer=None, sca
     from mlx_kvlingo.translator.maps import Translator
 
     t = Translator.for_models(model, model, source_tokenizer,
-                              target_tokenizer if target_tokenizer is not None else source_tokenizer)
+                              target_tokenizer if target_tokenizer is not None else source_tokenizer,
+                              native_prefix=native_prefix)
+    assert t.spec.layer_map == [[i] for i in range(len(model.layers))]
     for m in t.k_maps + t.v_maps:
         m.weight = scale * mx.eye(m.weight.shape[0])
+    mx.eval(t.parameters())
     return t
+
+
+def native_greedy(model, tok, tokens, n):
+    """The model's greedy continuation of ``tokens`` after a native prefill."""
+    from mlx_lm.generate import stream_generate
+
+    return [r.token for r in stream_generate(model, tok, mx.array(tokens), max_tokens=n)]
+
+
+def user(text):
+    """A user chat message."""
+    return {"role": "user", "content": text}

@@ -127,7 +127,7 @@ def calibrate_threshold(scores: Sequence[float], max_fire_rate: float = 0.1) -> 
 def switch_with_gate(source: nn.Module, target: nn.Module, translator, tokens,
                      source_cache: Optional[List] = None, gate: Optional[QualityGate] = None,
                      specials: Sequence[int] = ()):
-    """:func:`~mlx_kvlingo.switch.switch` for models that share a tokenizer, judged by
+    """:func:`~mlx_kvlingo.switching.api.switch` for models that share a tokenizer, judged by
     ``gate``: the context's last ``gate.tokens`` tokens before the final one are
     computed by the target itself and scored; on a bad score the target prefills
     the whole context instead. Returns (SwitchResult, GateDecision or None)."""
@@ -141,7 +141,7 @@ def switch_with_gate(source: nn.Module, target: nn.Module, translator, tokens,
 def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
                  gate: Optional[QualityGate] = None, specials: Sequence[int] = (),
                  translators: Sequence = ()):
-    """Judge a switch (:class:`~mlx_kvlingo.switch.SwitchResult`, any pair) before
+    """Judge a switch (:class:`~mlx_kvlingo.switching.api.SwitchResult`, any pair) before
     the target answers on it: its pending native tail (all but the last token) is
     computed on the translated cache, and its last ``gate.tokens`` scored (as a
     Session does, so one calibration serves both); on a bad score the target

@@ -3,11 +3,11 @@
 Any loaded model can take any turn. On its turn a model first catches up on what
 the others wrote since it last ran — each such span is *translated* from the
 cache of the model that wrote it (one translator per span, never a chain;
-DESIGN §2 "retained span") — then processes the turn's new tokens itself (the
+the "retained span" rule) — then processes the turn's new tokens itself (the
 user's message and the chat template's markers) and generates::
 
     import mlx_kvlingo as kv
-    from mlx_kvlingo.session import Session
+    from mlx_kvlingo import Session
 
     small, small_tok = kv.load("small-model")
     large, large_tok = kv.load("large-model")
@@ -23,7 +23,7 @@ Where no translator exists for a direction, the missing span is prefilled by the
 model taking the turn and the turn's report carries a warning saying so.
 
 Tokenizers: models that share a tokenizer read one token list (a *view*,
-:class:`~mlx_kvlingo.transcript.Transcript`) position for position. Models with
+:class:`~mlx_kvlingo.chat.transcript.Transcript`) position for position. Models with
 different tokenizers each render the conversation with their own chat template
 (or the plain ``role: content`` format when their tokenizer has none) into their
 own view; a span of message text one model wrote is translated for another by
@@ -48,12 +48,11 @@ from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
-from ..models.cache import cache_length, prefill, trim_cache_to
+from ..models.cache import cache_length, trim_cache_to
 from ..models.geometry import tokenizer_fingerprint
-from ..switching.api import translate_aligned, translate_span
-from ..translator.align import NATIVE, Alignment
 from ..translator.maps import Translator
-from .transcript import TEMPLATE, Span, Transcript, align_pieces, ids_offsets
+from .catch_up import catch_up_gated, restore
+from .transcript import TEMPLATE, Span, Transcript, ids_offsets
 from .turns import TurnReport, TurnStream, format_reports
 
 __all__ = ["Session", "Span", "Transcript", "TurnReport", "TurnStream", "finish_thread",
@@ -86,7 +85,7 @@ class Session:
     ``chat_template``: None (default) uses each tokenizer's chat template when it
     has one; False always uses the plain ``role: content`` format.
     ``system_prompt``: a system message put before the first turn.
-    ``gate``: a :class:`~mlx_kvlingo.gate.QualityGate` that judges every turn
+    ``gate``: a :class:`~mlx_kvlingo.chat.gate.QualityGate` that judges every turn
     that starts on translated positions and re-prefills when it predicts a bad
     translation (None: no gate).
 
@@ -235,6 +234,11 @@ class Session:
         view = self.transcript_of(name) if name else self.transcript
         return view.tokenizer.decode(view.tokens) if view.tokens else ""
 
+    def entry(self, name: str) -> _Entry:
+        """Model ``name``'s model, tokenizer and cache (the catch-up replaces
+        ``entry.cache`` as it extends or resets it)."""
+        return self._entry(name)
+
     def _entry(self, name: str) -> _Entry:
         try:
             return self._models[name]
@@ -311,8 +315,8 @@ class Session:
             report = TurnReport(index=len(self.reports), model=model, kind="read", wait_s=wait_s)
             if L:
                 if view.processed[model] >= L:  # it wrote the last token: re-read it
-                    self._restore(model, L - 1)
-                self._catch_up_gated(model, L - 1, report)
+                    restore(self, model, L - 1)
+                catch_up_gated(self, model, L - 1, report)
                 inputs = [view.tokens[-1]] + tokens[:-1]
             else:
                 inputs = tokens
@@ -426,14 +430,14 @@ class Session:
             report.index = len(self.reports)
             self.reports.append(report)
             if ids:
-                self._catch_up_gated(name, L, report)
+                catch_up_gated(self, name, L, report)
                 prompt = ids
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
                 if view.processed[name] >= L:
-                    self._restore(name, L - 1)
-                self._catch_up_gated(name, L - 1, report)
+                    restore(self, name, L - 1)
+                catch_up_gated(self, name, L - 1, report)
                 prompt = view.tokens[-1:]
             for v in self._views.values():
                 self._append_chunk(v, chunks[id(v)], name, v is view)
@@ -521,182 +525,6 @@ class Session:
             if v is not view:
                 v.message_ends.append(len(v))
 
-    def _catch_up_gated(self, name: str, end: int, report: TurnReport):
-        """:meth:`_catch_up`, with the translators' native tail and the quality gate.
-
-        When the catch-up translates, its last ``m`` positions are computed by the
-        model itself on top of the translated cache instead (m = the largest
-        ``native_tail`` of the translators involved, at least the gate's tokens):
-        the most attended recent positions become exact. The gate then scores its
-        last ``gate.tokens`` of them, and on a bad score everything this turn
-        translated is re-prefilled instead."""
-        view, entry = self._view_of[name], self._models[name]
-        start = view.processed[name]
-        pending = [self._translators[s.writer, name] for s in view.pending(name, end)
-                   if s.writer not in (None, name) and (s.writer, name) in self._translators]
-        g = self.gate.tokens if self.gate is not None else 0
-        m = min(max([g] + [t.spec.native_tail for t in pending]), end - start)
-        g = min(g, m)
-        if m < 1 or not pending:
-            self._catch_up(name, end, report)
-            return
-        self._catch_up(name, end - m, report)
-        if not report.translated:
-            self._catch_up(name, end, report)
-            return
-        report.native_tail = m
-        if g < 2:  # no gate (a 1-token gate cannot score): the whole tail is prefilled
-            g = 0
-        if g < m:  # the part of the tail the gate does not score
-            prefill(entry.model, mx.array(view.tokens[end - m:end - g]), entry.cache)
-            mx.eval([(c.keys, c.values) for c in entry.cache])
-            view.processed[name] = end - g
-            report.prefilled += m - g
-        if not g:
-            return
-        from .transcript import leading_specials
-
-        translators = [self._translators[w, name] for w in report.translated_from]
-        decision = self.gate.judge(entry.model, entry.cache, view.tokens[end - g:end],
-                                   view.tokens[:leading_specials(view)], translators)
-        view.processed[name] = end
-        report.prefilled += g
-        report.gate = decision.to_dict()
-        if decision.fallback:
-            self._fallback(name, start, end, decision.reason, report)
-
-    def _fallback(self, name: str, start: int, end: int, reason: str, report: TurnReport):
-        """Replace positions start..end-1 (this turn's catch-up) by a native prefill."""
-        t0 = time.perf_counter()
-        view, entry = self._view_of[name], self._models[name]
-        counted = end - start - report.translated  # positions already counted as prefilled
-        if not trim_cache_to(entry.cache, start):
-            entry.cache = make_prompt_cache(entry.model)  # e.g. a full sliding window
-            start = 0
-        view.translated[name] = max(view.translated[name] - report.translated, 0)
-        if start == 0:
-            view.translated[name] = 0
-        prefill(entry.model, mx.array(view.tokens[start:end]), entry.cache)
-        mx.eval([(c.keys, c.values) for c in entry.cache])
-        view.processed[name] = end
-        report.prefilled += end - start - counted
-        report.translated, report.translated_from = 0, {}
-        report.fallback = reason
-        report.translate_s += time.perf_counter() - t0
-
-    def _catch_up(self, name: str, end: int, report: TurnReport):
-        """Bring model ``name``'s cache to ``end`` tokens: spans other models wrote are
-        translated from the writer's cache, everything else is prefilled."""
-        try:
-            self._catch_up_spans(name, end, report)
-        except BaseException:
-            # Interrupted (Ctrl-C) or failed half-way: layers may disagree. Start this
-            # model's cache afresh; its next turn catches up from the beginning.
-            entry, view = self._models[name], self._view_of[name]
-            entry.cache = make_prompt_cache(entry.model)
-            view.processed[name] = 0
-            view.translated[name] = 0
-            raise
-
-    def _catch_up_spans(self, name: str, end: int, report: TurnReport):
-        entry, view = self._models[name], self._view_of[name]
-        t0 = time.perf_counter()
-        missing: Dict[str, int] = {}
-        for span in view.pending(name, end):
-            lo, hi, writer = span.start, span.end, span.writer
-            if writer is not None and writer != name:
-                translator = self._translators.get((writer, name))
-                if translator is None:
-                    missing[writer] = missing.get(writer, 0) + hi - lo
-                elif self._view_of[writer] is view:
-                    lo = self._translate_shared(name, writer, translator, lo, hi, report)
-                else:
-                    lo = self._translate_aligned(name, writer, translator, lo, hi, report)
-            if lo < hi:
-                prefill(entry.model, mx.array(view.tokens[lo:hi]), entry.cache)
-                report.prefilled += hi - lo
-                view.processed[name] = hi
-        for writer, n in missing.items():
-            report.warnings.append(
-                f"no translator {writer} -> {name}: {name} prefilled the {n} tokens "
-                f"{writer} wrote."
-            )
-        if entry.cache and entry.cache[0].keys is not None:
-            mx.eval([(c.keys, c.values) for c in entry.cache])
-        report.translate_s += time.perf_counter() - t0
-
-    def _translate_shared(self, name, writer, translator, lo, hi, report) -> int:
-        """Positions lo.. that ``writer``'s cache holds, translated position for
-        position (shared tokenizer); returns the first position not translated."""
-        entry, view = self._models[name], self._view_of[name]
-        held = min(hi, view.processed.get(writer, 0))
-        if held <= lo:
-            return lo
-        n_native = min(max(translator.spec.native_prefix, lo), held) - lo
-        tokens = mx.array(view.tokens)[None]
-        try:
-            entry.cache = translate_span(
-                self._models[writer].model, entry.model, translator,
-                self._models[writer].cache, entry.cache, tokens, held,
-            )
-        except KvlingoError as e:  # e.g. a sliding-window source dropped the span
-            return self._translation_failed(name, writer, lo, held, e, report)
-        self._count_translated(name, writer, lo, held, held - lo - n_native, report)
-        return held
-
-    def _translate_aligned(self, name, writer, translator, lo, hi, report) -> int:
-        """Positions lo.. whose text ``writer`` wrote in its own tokenization: each
-        reads the writer's token holding its last character; template tokens are
-        computed natively. Returns the first position not handled."""
-        entry, view = self._models[name], self._view_of[name]
-        source_view = self._view_of[writer]
-        index = align_pieces(source_view, view, lo, hi)
-        held = source_view.processed.get(writer, 0)
-        h = lo
-        while h < hi and index[h - lo] < held:  # NATIVE (-1) is always "held"
-            h += 1
-        if h == lo:
-            return lo
-        alignment = Alignment(source_view.tokens, view.tokens[:h], [NATIVE] * lo + index[:h - lo])
-        native = alignment.with_native_prefix(translator.spec.native_prefix).source_index[lo:h]
-        try:
-            entry.cache = translate_aligned(
-                self._models[writer].model, entry.model, translator,
-                self._models[writer].cache, entry.cache, alignment, h,
-            )
-        except KvlingoError as e:
-            return self._translation_failed(name, writer, lo, h, e, report)
-        n_native = sum(1 for i in native if i == NATIVE)
-        report.prefilled += n_native
-        self._count_translated(name, writer, lo, h, h - lo - n_native, report)
-        return h
-
-    def _count_translated(self, name, writer, lo, hi, n, report):
-        view = self._view_of[name]
-        report.translated += n
-        report.prefilled += hi - lo - n if self._view_of[writer] is view else 0
-        report.translated_from[writer] = report.translated_from.get(writer, 0) + n
-        view.translated[name] += n
-        view.processed[name] = hi
-
-    def _translation_failed(self, name, writer, lo, hi, error, report) -> int:
-        self._restore(name, lo)
-        report.warnings.append(
-            f"could not translate positions {lo}..{hi - 1} from {writer} ({error}); "
-            f"{name} prefilled them."
-        )
-        return lo
-
-    def _restore(self, name: str, length: int):
-        """Trim model ``name``'s cache back to ``length`` tokens (after a failure)."""
-        entry, view = self._models[name], self._view_of[name]
-        if not trim_cache_to(entry.cache, length):
-            entry.cache = make_prompt_cache(entry.model)
-            view.processed[name] = 0
-            view.translated[name] = 0
-            self._catch_up(name, length, TurnReport(-1, name))
-        view.processed[name] = length
-
     def _settle(self, name: str):
         """End of a turn: finish pending (pipelined) work on the model's cache, so
         the next turn may run on another thread, and update the bookkeeping."""
@@ -717,7 +545,7 @@ class Session:
         # After an interrupted forward pass the layers disagree (the first ones hold
         # a token more): trim them all to what every layer holds.
         if any(c.offset != length for c in cache):
-            self._restore(name, length)
+            restore(self, name, length)
         view.processed[name] = length
 
 

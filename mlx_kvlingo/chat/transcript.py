@@ -1,6 +1,6 @@
 """A conversation's tokens as one tokenizer sees them, and who computed each span.
 
-A :class:`~mlx_kvlingo.session.Session` keeps one :class:`Transcript` per distinct
+A :class:`~mlx_kvlingo.chat.session.Session` keeps one :class:`Transcript` per distinct
 tokenizer (a *view*); models that share a tokenizer share a view and read each
 other's spans position for position. Every position also records which *piece* of
 message text it belongs to (or none: chat-template markers, BOS) and its character

@@ -1,4 +1,4 @@
-"""What one turn of a :class:`~mlx_kvlingo.session.Session` cost (its report),
+"""What one turn of a :class:`~mlx_kvlingo.chat.session.Session` cost (its report),
 and the iterator of a streaming turn."""
 
 from dataclasses import asdict, dataclass, field

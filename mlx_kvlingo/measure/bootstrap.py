@@ -4,7 +4,7 @@ CBR pools windows as a ratio of sums, Σ(NLL_none − NLL_translated) /
 Σ(NLL_none − NLL_native), so the interval resamples whole windows and recomputes
 that ratio. Comparing two translators resamples the *same* windows for both
 (paired): window-to-window spread, which both share, then cancels, and a gain of
-a few points becomes visible with ~50 windows (DESIGN §7).
+a few points becomes visible with ~50 windows.
 """
 
 from dataclasses import dataclass
@@ -35,8 +35,8 @@ def per_window_fidelity(pair, source, target, translators, items, context_len: i
     """Fidelity of each translator on each held-out window separately:
     [translator][window].
 
-    ``pair``: a :class:`~mlx_kvlingo.samples.SharedTokens` or
-    :class:`~mlx_kvlingo.samples.AlignedText`; ``items``: what its ``heldout``
+    ``pair``: a :class:`~mlx_kvlingo.train.samples.SharedTokens` or
+    :class:`~mlx_kvlingo.train.samples.AlignedText`; ``items``: what its ``heldout``
     returned (batches of token windows, or aligned samples), scored one window at
     a time with the pair's own ``evaluate``."""
     rows = [[] for _ in translators]

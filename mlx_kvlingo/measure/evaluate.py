@@ -1,4 +1,4 @@
-"""Fidelity of a translator (DESIGN §3).
+"""Fidelity of a translator on held-out text (CBR, KL, top-1; see ``metrics``).
 
 Each held-out window is split into a context and a continuation. The target
 predicts the continuation three ways, differing only in the cache it starts from:
@@ -43,7 +43,7 @@ class Fidelity:
     native_layer0: bool = False  # layer 0 computed by the target, not translated
     # Per target layer: cosine between the attention outputs for the continuation
     # with the native and with the translated context K/V, same queries (a better
-    # predictor of retention than R², DESIGN §7). Mean over tokens and windows.
+    # predictor of retention than R²). Mean over tokens and windows.
     attention_cosine: List[float] = field(default_factory=list)
     # Per window: summed NLLs, KL and top-1 hits, and the token count, so intervals
     # and paired differences can be bootstrapped over windows.
@@ -292,7 +292,7 @@ def evaluate_aligned(
     source, target, translators, samples, context_len: int, native_tails: Sequence[int] = (0,)
 ) -> List[Fidelity]:
     """Score translators (each with each native tail) on
-    :class:`~mlx_kvlingo.samples.AlignedSample`s (pairs with different tokenizers,
+    :class:`~mlx_kvlingo.train.samples.AlignedSample`s (pairs with different tokenizers,
     one sample at a time). The no-context baseline keeps the target's leading
     special tokens (e.g. Gemma's BOS, without which it is off distribution)."""
     variants = _variants(translators, native_tails)

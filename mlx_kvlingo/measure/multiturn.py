@@ -5,11 +5,11 @@ or text (any pair; each model reads its own tokenization). Segment 0 is written 
 one model; then the two models take turns, each *reading* the next segment as its
 own turn (teacher forcing, through :meth:`Session.read`): before reading, the
 model translates the segments the other model wrote since its last turn and
-appends them to its own cache (DESIGN §2 "retained span"). At every turn the
+appends them to its own cache (the "retained span" rule). At every turn the
 model's log-probabilities for its segment are compared with those it gives from
 a native prefill of the identical transcript, and with no context at all (only
 the previous token): NLLs, context benefit retained (CBR), KL(native ‖ session)
-and top-1 agreement, per turn (DESIGN §3).
+and top-1 agreement, per turn.
 """
 
 from dataclasses import asdict, dataclass

@@ -8,7 +8,7 @@ ceiling the method allows.
   its turn, so that is not timed); its cache is translated (``translate_s``; for
   a pair with different tokenizers this includes tokenizing and aligning the
   text), then the target's first step over the pending tokens
-  (``first_step_s``, :func:`mlx_kvlingo.switch.first_step`);
+  (``first_step_s``, :func:`mlx_kvlingo.switching.generate.first_step`);
 - ceiling: a switch cannot beat one decoding step plus the maps' matmuls, so
   ``ceiling_s`` = the bare decoding step of the re-prefill above (on the target's
   own cache of T - 1 tokens) + the translator's map matmuls alone over the

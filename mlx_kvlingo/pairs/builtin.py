@@ -13,11 +13,19 @@ import mlx.nn as nn
 import numpy as np
 
 from ..chat.session import Session
+from ..data.corpus import split_documents, stdlib_documents
 from ..errors import KvlingoError
+from ..files import default_cache_dir
 from ..models.geometry import cache_geometry, model_name, tokenizer_fingerprint
-from ..translator.maps import Translator
+from ..train.recipe import fit_translator
+from ..train.samples import AlignedText, SharedTokens
+from ..translator.maps import Translator, load_translator
 
 BUILTIN_NAMES = ("small", "large")
+
+
+def _joined(docs) -> str:
+    return "\n\n".join(text for _, text in docs)
 
 
 def _weights_id(model: nn.Module) -> str:
@@ -53,11 +61,6 @@ def stage1_translator(
     docstrings, kept in ``<cache_dir>/translators/`` and reused while both models'
     weights and the settings stay the same. Models with different tokenizers get
     a cross-tokenizer translator (three source layers per map, aligned text)."""
-    from ..data.corpus import split_documents, stdlib_documents, token_windows
-    from ..files import default_cache_dir
-    from ..train.fit import fit_features, fit_stage1
-    from ..translator.maps import load_translator
-
     cross = tokenizer_fingerprint(source_tokenizer) != tokenizer_fingerprint(target_tokenizer)
     key = hashlib.sha256(
         f"{_weights_id(source)}:{_weights_id(target)}:{tokens}:{context_len}:1"
@@ -73,26 +76,21 @@ def stage1_translator(
     log(f"Fitting a stage-1 translator {model_name(source)} -> {model_name(target)} "
         f"on {tokens} positions of stdlib docstrings (once; kept in {path.parent}) ...")
     train_docs, heldout_docs = split_documents(stdlib_documents())
-    if cross:
-        from ..train.samples import AlignedText
-
-        join = lambda docs: "\n\n".join(t for _, t in docs)  # noqa: E731
-        translator = Translator.for_models(source, target, source_tokenizer, target_tokenizer,
-                                           sources_per_layer=min(3, cache_geometry(source).n_layers))
-        pair = AlignedText(source_tokenizer, target_tokenizer, join(train_docs),
-                           join(heldout_docs))
-        fit_features(translator, pair.fit_features(source, target, translator,
-                                                   max(tokens // context_len, 1), context_len))
+    if cross:  # three source layers per map
+        per_layer = min(3, cache_geometry(source).n_layers)
+        pair = AlignedText(source_tokenizer, target_tokenizer, _joined(train_docs),
+                           _joined(heldout_docs))
     else:
+        per_layer = 1
         stream: List[int] = []
         for _, text in train_docs:  # in name order; enough documents for `tokens` positions
             stream.extend(source_tokenizer.encode(text + "\n\n", add_special_tokens=False))
             if len(stream) >= 2 * tokens:
                 break
-        translator = Translator.for_models(source, target, source_tokenizer, target_tokenizer)
-        windows = max(tokens // context_len, 1)
-        fit_stage1(source, target, translator, token_windows(stream, context_len, 8, windows))
-    translator.spec.training["corpus"] = "stdlib"
+        pair = SharedTokens(stream, [])
+    translator, _ = fit_translator(source, source_tokenizer, target, target_tokenizer,
+                                   "stdlib", tokens, context_len, sources_per_layer=per_layer,
+                                   pair=pair, log=lambda s: None)
     translator.save(path)
     return translator
 

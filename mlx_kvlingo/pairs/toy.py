@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from .. import files
 from ..data.corpus import split_documents, stdlib_documents, token_stream, token_windows
+from ..train import recipe
 
 VOCAB_SIZE = 1024
 
@@ -377,7 +378,7 @@ def build_docstring_pair(out: Path, steps: int = 800, save_dtype=mx.float16,
     return out / "source", out / "target"
 
 
-# The recipe that makes the pair look back (issue 12). Learning to copy from the
+# The recipe that makes the pair look back. Learning to copy from the
 # context comes only after a long plateau at chance (induction heads form
 # abruptly), and text alone, whose tokens a bigram model already predicts well,
 # gives little gradient towards it. So phase 1 trains on the short copy task
@@ -492,16 +493,12 @@ def _share_embedding(target, source_dir: Path, seed: int):
 
 def fit_translator(source, source_tok, target, target_tok, pair, tokens: int = 50_000,
                    context_len: int = 256, progress=None):
-    """Stage 1 source -> target on ``pair``'s training stream (toy_pair_data).
+    """Stage 1 source -> target on ``pair``'s training stream (toy_pair_data), with
+    ``progress`` as :func:`~mlx_kvlingo.train.recipe.fit_translator` takes it.
     Returns (translator, FitReport)."""
-    from ..train.fit import fit_stage1
-    from ..translator.maps import Translator
-
-    translator = Translator.for_models(source, target, source_tok, target_tok)
-    windows = max(tokens // context_len, 1)
-    batches = token_windows(pair.train_stream, context_len, 8, windows)
-    report = fit_stage1(source, target, translator, batches, progress=progress)
-    return translator, report
+    return recipe.fit_translator(source, source_tok, target, target_tok, "toy", tokens,
+                                 context_len, pair=pair, progress=progress or recipe.no_progress,
+                                 log=lambda s: None)
 
 
 # Stage 2 for the built-in pair: its maps are small (<= 64 wide), so a larger

@@ -3,7 +3,7 @@ behind ``mlx-kvlingo serve`` (no sockets here; ``cli/serve_cmd.py`` is the HTTP
 layer).
 
 Chat clients resend the whole message list with every request. The store keeps
-one :class:`~mlx_kvlingo.session.Session` per conversation, each model with its
+one :class:`~mlx_kvlingo.chat.session.Session` per conversation, each model with its
 own cache of it, and recognises a request's conversation by the longest stored
 message prefix:
 

@@ -46,7 +46,7 @@ def translate_span(
     ``tokens[:end]`` with positions start..end-1 translated from ``source_cache``,
     which must hold them. Returns the extended target cache.
 
-    This is the whole of a multi-turn switch ("retained span", DESIGN §2): each
+    This is the whole of a multi-turn switch (the "retained span" rule, docs/design.md): each
     model keeps its own cache and only the span the other model wrote since is
     translated. Positions below ``translator.spec.native_prefix`` (the attention
     sink) are computed by the target itself. Both models share the tokenizer; see
@@ -83,7 +83,7 @@ def translate_aligned(
     """
     m = resolve_native_tail(translator, native_tail)
     alignment = alignment.with_native_prefix(translator.spec.native_prefix)
-    alignment = alignment.withresolve_native_tail(m, end)
+    alignment = alignment.with_native_tail(m, end)
     return translate_into(source, target, translator, source_cache, target_cache, alignment,
                       end, target_tokens, room=1)
 

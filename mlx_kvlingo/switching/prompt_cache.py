@@ -76,7 +76,7 @@ def cache_prompt_tokens(tokenizer, prompt: str) -> List[int]:
 
 
 def cache_prompt_alignment(source_tokenizer, target_tokenizer, prompt: str):
-    """An :class:`~mlx_kvlingo.align.Alignment` from the tokens ``cache_prompt``
+    """An :class:`~mlx_kvlingo.translator.align.Alignment` from the tokens ``cache_prompt``
     caches for ``prompt`` with the source tokenizer to those the target's own
     tokenizer and chat template give: each target token of the prompt's text reads
     the source token holding its last character; template tokens are computed by

@@ -44,7 +44,7 @@ from . import distributed
 @dataclass
 class DistillConfig:
     steps: int = 1000
-    lr: float = 1e-4  # 1e-3 diverged on a 30-layer target here (DESIGN §2)
+    lr: float = 1e-4  # 1e-3 diverged on a 30-layer target
     warmup: float = 0.05  # fraction of steps
     weight_decay: float = 0.0
     clip: float = 1.0

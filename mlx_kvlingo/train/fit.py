@@ -383,7 +383,7 @@ def fit_selected(
 
 
 # ---------------------------------------------------------------------------
-# Value maps fitted against attention (issue 9, lever 4)
+# Value maps fitted against attention
 
 
 class AttentionValueAccumulator:

@@ -245,8 +245,8 @@ def train(
 ) -> dict:
     """Distil ``translator`` (already stage-1 fitted) and write it to ``out``.
 
-    ``pair_data``: a :class:`~mlx_kvlingo.samples.SharedTokens` or
-    :class:`~mlx_kvlingo.samples.AlignedText` that draws each step's batches and
+    ``pair_data``: a :class:`~mlx_kvlingo.train.samples.SharedTokens` or
+    :class:`~mlx_kvlingo.train.samples.AlignedText` that draws each step's batches and
     the held-out evaluation set.
 
     With ``resume=True`` the translator, optimizer and position come from the
