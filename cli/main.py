@@ -2,7 +2,6 @@
 
 import json
 import platform
-import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,7 +11,6 @@ import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.train.recipe import fit_translator
-from mlx_kvlingo.train.samples import pair_data
 from mlx_kvlingo_cli.common import run as _run
 from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
@@ -183,32 +181,6 @@ def parse_duration(text: str) -> float:
     return h * 3600 + m * 60 + sec
 
 
-def _budget_steps(budget_s, spent_s, src, tgt, translator, pair, config, built=0) -> int:
-    from mlx_kvlingo.train.loop import plan_steps, probe_step_cost
-
-    prepare_s, update_s = probe_step_cost(src, tgt, translator, pair, config)
-    # The optimizer step and bookkeeping add to the gradient evaluation; evaluations
-    # during training cost about a step per window (none at --eval-every 0).
-    evals = (config.distill.steps // config.eval_every + 1) if config.eval_every else 0
-    eval_s = evals * config.eval_windows * (prepare_s + update_s) / max(
-        config.distill.batch_size * config.distill.accumulate, 1)
-    steps = plan_steps(budget_s, spent_s + prepare_s + update_s, prepare_s, 1.1 * update_s,
-                       config.store_pool, eval_s, built)
-    if config.store_pool:
-        steps = max(steps, 1)
-    typer.echo(f"Budget {budget_s / 60:.0f} min: {spent_s / 60:.1f} min spent; a step's frozen "
-               f"passes take {prepare_s:.1f}s and its update {update_s:.1f}s, so stage 2 runs "
-               f"{steps} steps" + (f" over a pool of {config.store_pool}" if config.store_pool else ""))
-    return steps
-
-
-def _checkpoint_steps(out: Path) -> int:
-    from mlx_kvlingo.train.loop import load_checkpoint
-
-    _, info = load_checkpoint(Path(str(out) + ".ckpt.safetensors"))
-    return info["config"]["distill"]["steps"]
-
-
 def _print_progress(record: dict):
     if "message" in record:
         typer.echo(f"  {record['message']}")
@@ -236,42 +208,6 @@ def _quiet_unless_writer(group):
 
     if not distributed.is_writer(group):
         contextlib.redirect_stdout(open(os.devnull, "w")).__enter__()
-
-
-def _check_same_data(src, tgt, pair, group):
-    """Every rank must read the same models and corpus (each draws samples from its own)."""
-    from mlx_kvlingo.models.geometry import cache_geometry
-    from mlx_kvlingo.train import distributed
-    from mlx_kvlingo.train.store import corpus_digest
-
-    distributed.check_same({
-        "corpus": corpus_digest(pair),
-        "source": cache_geometry(src).fingerprint(),
-        "target": cache_geometry(tgt).fingerprint(),
-    }, group)
-
-
-def _starting_translator(path, src, tgt, src_tok, tgt_tok, group):
-    """The translator stage 2 starts from: read by rank 0 and sent to every rank
-    (on several machines only rank 0 needs the file)."""
-    from mlx_kvlingo.train import distributed
-    from mlx_kvlingo.translator.maps import Translator, TranslatorSpec, load_translator
-
-    found, error = None, None
-    if distributed.is_writer(group):
-        try:
-            translator = load_translator(path)
-            translator.check_models(src, tgt, src_tok, tgt_tok)
-            found = {"spec": translator.spec.to_json()}
-        except KvlingoError as e:
-            found, error = {"error": str(e)}, e
-    found = distributed.broadcast_json(found, group)
-    if "error" in found:
-        raise error or KvlingoError(found["error"])
-    if not distributed.is_writer(group):
-        translator = Translator(TranslatorSpec.from_json(found["spec"]))
-    distributed.broadcast_module(translator, group)
-    return translator
 
 
 @app.command()
@@ -338,99 +274,31 @@ def train(
     Under `mlx.launch -n N` it trains data-parallel on N processes (README,
     "Training on several machines"); rank 0 prints and writes every file."""
     from mlx_kvlingo.train import distributed
-    from mlx_kvlingo.train.distill import DistillConfig, parse_layer_ranks
-    from mlx_kvlingo.train.loop import RunConfig
-    from mlx_kvlingo.train.loop import train as run_training
+    from mlx_kvlingo.train.distill import DistillConfig
+    from mlx_kvlingo.train.pipeline import TrainOptions, train_translator
 
     def go():
-        t_start = time.perf_counter()
-        budget_s = parse_duration(budget) if budget else None
         group = distributed.group()
         if group is not None:
             _quiet_unless_writer(group)
-            typer.echo(f"Training on {group.size()} processes (mlx.distributed).")
         _warn_if_slow_blas()
-        if stage not in ("1", "2", "both"):
-            raise KvlingoError(f"--stage must be 1, 2 or both, not {stage!r}.")
-        parse_layer_ranks(layer_ranks, rank)  # before any work; the layers once the target is known
-        config = RunConfig(
-            DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
-                          accumulate=accumulate, rank=rank, layer_ranks=layer_ranks,
-                          seed=seed, lr_scale=lr_scale, native_tail=native_tail,
-                          teacher_topk=teacher_topk, token_maps=token_maps),
-            context_lengths=tuple(_int_list(context_lengths)),
-            continuation_len=continuation_len,
-            eval_every=eval_every,
-            checkpoint_every=checkpoint_every,
-            store_pool=store_pool,
-        )
-        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
-        pair = None
-        if group is not None:  # before any work: every rank must read the same data
-            pair = pair_data(corpus, src_tok, tgt_tok)
-            _check_same_data(src, tgt, pair, group)
-        translator = None
-        from_store = None  # set when stage 1 builds stage 2's store
-        if stage in ("1", "both") and not resume:
-            if stage == "both" and store_pool and group is None:
-                # One pass over the pool's samples serves both stages (the fit reads
-                # the target's K/V off the teacher's prefill): the recipe's longest part.
-                from mlx_kvlingo.train.loop import store_fit_features
-
-                pair = pair_data(corpus, src_tok, tgt_tok)
-                typer.echo(f"Stage 1 fits on stage 2's feature store ({store_pool} pool steps), "
-                           "built now: one pass over the samples for both stages.")
-
-                def from_store(t):
-                    return store_fit_features(src, tgt, t, pair, out, config, fit_tokens,
-                                              corpus, _print_progress)
-            translator, report = fit_translator(
-                src, src_tok, tgt, tgt_tok, corpus, fit_tokens, max(config.context_lengths),
-                8, ridge, sources_per_layer, native_prefix, _counts(select_layers),
-                candidates_beside=out, group=group, pair=pair, from_store=from_store,
-                token_layers=token_layers, progress=_progressbar, log=typer.echo,
-            )
-            translator.spec.native_layer0 = bool(native_layer0)
-            r = report.to_dict()
-            typer.echo(f"Stage 1: {r['tokens']} positions, {r['seconds']:.1f}s, mean R² keys "
-                       f"{r['mean_r2_keys']:.3f}, values {r['mean_r2_values']:.3f}")
-            if from_store is not None and r["tokens"] < fit_tokens:
-                typer.echo(f"  (all of the pool's positions: fewer than --fit-tokens {fit_tokens}; "
-                           "a larger --store-pool gives the fit more)")
-            if distributed.is_writer(group):
-                translator.save(out)
-            if stage == "1":
-                typer.echo(f"Wrote {out}")
-                return
-        elif not resume:
-            translator = _starting_translator(init or out, src, tgt, src_tok, tgt_tok, group)
-            if native_layer0 is not None:
-                translator.spec.native_layer0 = native_layer0
-                translator.check_models(src, tgt, src_tok, tgt_tok)  # a supported target?
-        pair = pair or pair_data(corpus, src_tok, tgt_tok)
-        if budget_s and resume:
-            steps_ = _checkpoint_steps(out) if distributed.is_writer(group) else None
-            config.distill.steps = distributed.broadcast_json(steps_, group)
-        elif budget_s:
-            steps_ = _budget_steps(budget_s, time.perf_counter() - t_start,
-                                   src, tgt, translator, pair, config,
-                                   built=config.store_pool if from_store else 0)
-            config.distill.steps = distributed.broadcast_json(steps_, group)  # rank 0's plan
-        steps_ = config.distill.steps
-        typer.echo(f"Stage 2: {steps_} steps of {accumulate}x{batch_size} sequences, lr {lr:g}"
-                   + (f", low-rank correction of rank {rank}" if rank else ", full maps")
-                   + (f" (target layers {layer_ranks}: their own ranks)" if layer_ranks else ""))
-        try:
-            summary = run_training(src, tgt, translator, pair, out, config, resume=resume,
-                                   progress=_print_progress, corpus_id=corpus, group=group,
-                                   peer_timeout=peer_timeout)
-        finally:
-            if group is not None:
-                # The run is over (its files written, or a peer lost): mlx.launch SIGTERMs
-                # every rank once one exits non-zero; let this one finish its report.
-                import signal
-
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        options = TrainOptions(
+            source=source, target=target, out=out, stage=stage, init=init, corpus=corpus,
+            fit_tokens=fit_tokens, ridge=ridge, sources_per_layer=sources_per_layer,
+            select_layers=_counts(select_layers), token_layers=token_layers,
+            native_prefix=native_prefix, native_layer0=native_layer0,
+            distill=DistillConfig(steps=steps, lr=lr, warmup=warmup, batch_size=batch_size,
+                                  accumulate=accumulate, rank=rank, layer_ranks=layer_ranks,
+                                  seed=seed, lr_scale=lr_scale, native_tail=native_tail,
+                                  teacher_topk=teacher_topk, token_maps=token_maps),
+            context_lengths=_int_list(context_lengths), continuation_len=continuation_len,
+            eval_every=eval_every, checkpoint_every=checkpoint_every, store_pool=store_pool,
+            budget_s=parse_duration(budget) if budget else None, resume=resume,
+            peer_timeout=peer_timeout)
+        summary = train_translator(options, log=typer.echo, progress=_print_progress,
+                                   fit_progress=_progressbar)
+        if "steps" not in summary:  # stage 1 alone
+            return
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")
@@ -439,15 +307,6 @@ def train(
                    f"({summary['skipped']} skipped). Wrote {out}, log and plot beside it.")
 
     _run(go)
-
-
-def layer0_settings(option: str, translator) -> List[bool]:
-    """The --native-layer0 settings to score a translator with."""
-    words = [w.strip() for w in option.split(",") if w.strip()]
-    known = {"on": True, "off": False, "file": translator.spec.native_layer0}
-    if not words or any(w not in known for w in words):
-        raise KvlingoError(f"--native-layer0 takes on, off, off,on or file; got {option!r}.")
-    return list(dict.fromkeys(known[w] for w in words))
 
 
 @app.command("eval")
@@ -472,64 +331,26 @@ def eval_cmd(
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length."""
-    from mlx_kvlingo.measure.evaluate import evaluate_pair, format_table
-    from mlx_kvlingo.translator.maps import load_translator
+    from mlx_kvlingo.measure.evaluate import format_table
+    from mlx_kvlingo.train.heldout import evaluate_files, write_report
 
     def go():
         _warn_if_slow_blas()
-        lengths = _int_list(context_lengths)
-        paths, translators = [], []
-        for p in translator:
-            t = load_translator(p)
-            for on in layer0_settings(native_layer0, t):
-                paths.append(p)
-                translators.append(t.with_native_layer0(on))
-        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
-        for t in translators:
-            t.check_models(src, tgt, src_tok, tgt_tok)
-        tails = [int(x) for x in native_tail.split(",") if x.strip()]
-        if not tails or min(tails) < 0:
+        try:
+            tails = [int(x) for x in native_tail.split(",") if x.strip()]
+        except ValueError:
             raise KvlingoError(f"--native-tail takes numbers >= 0, got {native_tail!r}.")
-        pair = pair_data(corpus, src_tok, tgt_tok)
-        # One row list per (translator, tail), in evaluate's translator-major order.
-        rows = [[] for _ in translators for _ in tails]
-        for c in lengths:
-            items = pair.heldout(c, continuation_len, windows)
-            for r, f in zip(rows, evaluate_pair(pair, src, tgt, translators, items, c, tails)):
-                r.append(f)
-            # Progress: a length of 48 windows takes tens of minutes on a small CPU.
-            typer.echo(f"context {c}: {len(rows[0][-1].windows)} windows scored; CBR "
-                       + ", ".join(f"{r[-1].cbr:.1%}" for r in rows))
-        entries = []
-        for i, r in enumerate(rows):
-            path, t, m = paths[i // len(tails)], translators[i // len(tails)], tails[i % len(tails)]
-            layer0 = ", layer 0 native" if t.spec.native_layer0 else ""
-            typer.echo(f"\n{path} (native tail {m}{layer0}):")
-            typer.echo(format_table(r))
-            entries.append({
-                "translator": str(path), "training": t.spec.training, "native_tail": m,
-                "native_layer0": t.spec.native_layer0,
-                "native_prefix": t.spec.native_prefix, "alignment": t.spec.alignment,
-                "results": {str(f.context_len): f.to_dict() for f in r},
-            })
+        scored = evaluate_files(source, target, translator, corpus, _int_list(context_lengths),
+                                continuation_len, windows, tails, native_layer0, log=typer.echo)
+        for s in scored:
+            typer.echo(f"\n{s.title()}:")
+            typer.echo(format_table(s.rows))
         if json_out:
-            result = {
-                "source": source, "target": target, "corpus": corpus,
-                "continuation_len": continuation_len, "windows": windows,
-                "translators": entries, "results": entries[0]["results"],
-            }
-            _write_json(json_out, result)
+            write_report(json_out, scored, source=source, target=target, corpus=corpus,
+                         continuation_len=continuation_len, windows=windows)
             typer.echo(f"Wrote {json_out}")
 
     _run(go)
-
-
-def _write_json(path: Path, obj):
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------

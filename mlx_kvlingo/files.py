@@ -4,7 +4,7 @@ interrupted write never leaves a half-written file under the final name."""
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 
@@ -22,11 +22,13 @@ def default_cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def written_atomically(path: Union[str, Path]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (same suffix) to write to; it is renamed
-    to ``path`` when the block ends normally and removed otherwise."""
+def written_atomically(path: Union[str, Path], suffix: Optional[str] = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write to; it is renamed to ``path``
+    when the block ends normally and removed otherwise. ``suffix``: the temporary
+    name's ending (default ``path``'s own; writers such as ``mx.save_safetensors``
+    add theirs to any other)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix if suffix is None else suffix}")
     try:
         yield tmp
         os.replace(tmp, path)
@@ -37,5 +39,5 @@ def written_atomically(path: Union[str, Path]) -> Iterator[Path]:
 
 def save_safetensors_atomic(path: Union[str, Path], arrays: dict, metadata: dict):
     """``mx.save_safetensors`` that never leaves a partial file at ``path``."""
-    with written_atomically(path) as tmp:
+    with written_atomically(path, ".safetensors") as tmp:
         mx.save_safetensors(str(tmp), arrays, metadata)

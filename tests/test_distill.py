@@ -211,7 +211,7 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny_pair, tmp_path,
     translator as they were, with no temporary file behind."""
     import errno
 
-    import mlx_kvlingo.train as train_mod
+    from mlx_kvlingo.train import loop as train_mod
 
     src, tgt, t, stream = tiny_pair
     out = tmp_path / "t.safetensors"

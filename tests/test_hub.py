@@ -7,7 +7,7 @@ import pytest
 from tiny import tiny_model
 
 from mlx_kvlingo.errors import KvlingoError, TranslatorFileError
-from mlx_kvlingo.translator import hub
+from mlx_kvlingo.translator import hub, publish
 from mlx_kvlingo.translator.maps import Translator, load_translator
 
 
@@ -72,7 +72,7 @@ def test_push_uploads_translator_and_model_card(translator_file):
     api = FakeApi()
     fidelity = {"256": {"cbr": 0.75, "kl": 0.4, "top1": 0.7, "nll_native": 2.9,
                         "nll_translated": 3.2, "nll_none": 4.1}}
-    url = hub.push(translator_file, "me/pair", fidelity=fidelity, api=api)
+    url = publish.push(translator_file, "me/pair", fidelity=fidelity, api=api)
     assert url.endswith("/commit/1")
     assert api.calls[0] == ("create_repo", "me/pair", False)
     assert api.files[hub.FILENAME] == translator_file.read_bytes()
@@ -82,10 +82,10 @@ def test_push_uploads_translator_and_model_card(translator_file):
 
 def test_push_reports_failures_clearly(translator_file, tmp_path):
     with pytest.raises(KvlingoError, match="Upload to me/pair failed.*no network"):
-        hub.push(translator_file, "me/pair", api=FakeApi(fail=True))
+        publish.push(translator_file, "me/pair", api=FakeApi(fail=True))
     with pytest.raises(KvlingoError, match="not a hub repo id"):
-        hub.push(translator_file, "not a repo", api=FakeApi())
+        publish.push(translator_file, "not a repo", api=FakeApi())
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"junk")
     with pytest.raises(TranslatorFileError):
-        hub.push(bad, "me/pair", api=FakeApi())
+        publish.push(bad, "me/pair", api=FakeApi())

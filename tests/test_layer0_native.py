@@ -182,7 +182,7 @@ def test_the_file_records_native_layer0(pair, tmp_path):
 
 def test_eval_scores_both_settings_on_the_same_windows(pair):
     from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_translators
-    from mlx_kvlingo_cli.main import layer0_settings
+    from mlx_kvlingo.train.heldout import layer0_settings
 
     src, tgt, t = pair
     assert layer0_settings("file", t) == [False]

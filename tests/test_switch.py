@@ -275,7 +275,7 @@ def test_last_logits_equal_the_models_own_last_position(arch):
     tokens = mx.random.randint(0, 97, (1, 9), key=mx.random.key(9))
     cache = prefill(m, tokens[:, :4])
     got = last_logits(m, tokens[:, 4:], cache)
-    want = m(tokens)[:, -1, :]
+    want = m(tokens)[:, -1:, :]
     assert got.shape == want.shape and mx.abs(got - want).max().item() < 1e-4
     assert mx.abs(last_logits(m, tokens, make_prompt_cache(m)) - want).max().item() < 1e-4
 

@@ -352,7 +352,7 @@ def convert_prompt_cache_file(
         "tokens": n,
     })
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with written_atomically(out_path) as tmp:
+    with written_atomically(out_path, ".safetensors") as tmp:
         save_prompt_cache(str(tmp), out, meta)
     return ConversionReport(
         tokens=n, translated=n - native, native=native,
