@@ -102,3 +102,20 @@ def paired_cbr_difference(
     denom = benefit[idx].sum(1)
     draws = (retained_b[idx].sum(1) - retained_a[idx].sum(1)) / denom
     return _interval((retained_b.sum() - retained_a.sum()) / benefit.sum(), draws)
+
+
+def mean_interval(values: Sequence[float], resamples: int = RESAMPLES, seed: int = 0) -> Interval:
+    """A mean over items (an exact-match rate, a mean NLL) with its 95 % interval."""
+    v = np.asarray(values, dtype=np.float64)
+    idx = _resample_indices(len(v), resamples, seed)
+    return _interval(v.mean(), v[idx].mean(1))
+
+
+def paired_mean_difference(a: Sequence[float], b: Sequence[float], resamples: int = RESAMPLES,
+                           seed: int = 0) -> Interval:
+    """mean(b) − mean(a) over the same items, with a paired 95 % interval."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError("A paired comparison needs the same items on both sides.")
+    idx = _resample_indices(len(a), resamples, seed)
+    return _interval((b - a).mean(), (b - a)[idx].mean(1))

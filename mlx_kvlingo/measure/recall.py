@@ -1,0 +1,237 @@
+"""Long-range recall after a switch, beside the alternatives a user has.
+
+For each item (``data.recall``: a fact deep in the context, a cue at its end) the
+target answers from four kinds of cache, all in one run:
+
+- ``native``: the target re-prefills the whole context (the reference);
+- ``switch``: the source read the context (not timed), its cache is translated
+  and the target takes its first step (the native tail included);
+- ``last N``: the target re-prefills only the last N context tokens, the older
+  ones dropped, for fixed N and for the *equal-time* N, whose re-prefill takes
+  as long as the switch did (interpolated from the fixed-N times of this run);
+- ``none``: the target reads only the cue.
+
+Per item and setting: exact match of the greedy answer, the answer's NLL per
+token (teacher-forced), and the time to the first token. Every setting sees the
+same items, so differences are paired.
+"""
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..data.recall import RecallItem
+from ..metrics import log_softmax, nll
+from ..models.cache import cache_length, copy_cache, last_logits, prefill
+from ..switching.api import switch, switch_text
+from ..translator.align import tokenize_with_offsets
+from ..translator.maps import Translator
+from .bootstrap import Interval, mean_interval, paired_mean_difference
+
+NATIVE, SWITCH, NONE, EQUAL_TIME = "native", "switch", "none", "equal-time"
+DEFAULT_TRUNCATIONS = (16, 64, 128, 256)
+
+
+@dataclass
+class RecallScore:
+    """One item under one setting."""
+
+    exact: bool
+    answer_nll: float  # mean over the answer's tokens, nats
+    ttft_s: float  # to the first answer token
+    said: str  # the greedy answer
+    read: int  # context tokens in the cache the target answered from
+
+
+@dataclass
+class RecallResult:
+    source: str
+    target: str
+    items: List[RecallItem]
+    scores: Dict[str, List[RecallScore]]  # setting -> one score per item
+    equal_time_tokens: Optional[int] = None
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    def exact_rate(self, setting: str) -> Interval:
+        return mean_interval([float(s.exact) for s in self.scores[setting]])
+
+    def answer_nll(self, setting: str) -> Interval:
+        return mean_interval([s.answer_nll for s in self.scores[setting]])
+
+    def ttft(self, setting: str) -> float:
+        return statistics.median(s.ttft_s for s in self.scores[setting])
+
+    def exact_difference(self, a: str, b: str) -> Interval:
+        """Exact-match rate of ``b`` minus ``a`` on the same items."""
+        return paired_mean_difference([float(s.exact) for s in self.scores[a]],
+                                      [float(s.exact) for s in self.scores[b]])
+
+    def by_kind(self, setting: str) -> Dict[str, float]:
+        out: Dict[str, List[bool]] = {}
+        for item, s in zip(self.items, self.scores[setting]):
+            out.setdefault(item.kind, []).append(s.exact)
+        return {k: sum(v) / len(v) for k, v in out.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source, "target": self.target,
+            "equal_time_tokens": self.equal_time_tokens, "notes": self.notes,
+            "items": [i.to_dict() for i in self.items],
+            "scores": {k: [asdict(s) for s in v] for k, v in self.scores.items()},
+            "summary": {k: {"exact": self.exact_rate(k).to_dict(),
+                            "answer_nll": self.answer_nll(k).to_dict(),
+                            "ttft_s": self.ttft(k), "by_kind": self.by_kind(k)}
+                        for k in self.scores},
+        }
+
+
+# ---------------------------------------------------------------------------
+# One item
+
+
+def answer_tokens(tokenizer, prompt_ids: List[int], prompt: str, answer: str) -> List[int]:
+    """The answer's tokens as they follow the prompt (its own tokenization when the
+    prompt's tokens are not a prefix of the whole text's)."""
+    whole = tokenize_with_offsets(tokenizer, prompt + answer)[0]
+    if whole[: len(prompt_ids)] == prompt_ids and len(whole) > len(prompt_ids):
+        return whole[len(prompt_ids):]
+    return tokenizer.encode(answer, add_special_tokens=False)
+
+
+def matches(said: str, answer: str) -> bool:
+    """The greedy text starts with the answer, and the answer is not the start of a
+    longer word or number ("582" does not match "58213", "58213" not "582131")."""
+    said, answer = said.lstrip(), answer.strip()
+    return said.startswith(answer) and not said[len(answer):len(answer) + 1].isalnum()
+
+
+def score_state(target: nn.Module, tokenizer, cache: List, pending: Sequence[int],
+                answer_ids: Sequence[int], answer: str, ready_s: float) -> RecallScore:
+    """Answer from ``cache`` + ``pending`` (the tokens the target still reads,
+    ending with the cue's last): the greedy answer, timed from ``ready_s`` seconds
+    already spent, and the answer's teacher-forced NLL on a copy of the cache."""
+    forced = copy_cache(cache)
+    read = len(pending) + cache_length(cache)
+    t0 = time.perf_counter()
+    logits = last_logits(target, mx.array([list(pending)]), cache)[:, -1]
+    token = int(mx.argmax(logits, axis=-1).item())
+    ttft = ready_s + time.perf_counter() - t0
+    said = [token]
+    for _ in range(len(answer_ids) + 2):
+        logits = target(mx.array([[said[-1]]]), cache=cache)[:, -1]
+        said.append(int(mx.argmax(logits, axis=-1).item()))
+    text = tokenizer.decode(said)
+    inputs = mx.array([list(pending) + list(answer_ids[:-1])])
+    lp = log_softmax(last_logits(target, inputs, forced, keep=len(answer_ids)))
+    answer_nll = nll(lp, mx.array([list(answer_ids)])).mean().item()
+    return RecallScore(matches(text, answer), answer_nll, ttft, text, read)
+
+
+def native_state(target: nn.Module, ids: Sequence[int]) -> Tuple[List, List[int], float]:
+    """The target's own cache of all but the last of ``ids``, and its time."""
+    t0 = time.perf_counter()
+    cache = prefill(target, mx.array(ids[:-1]))
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache, list(ids[-1:]), time.perf_counter() - t0
+
+
+def truncated_ids(ids: Sequence[int], n: int, bos: Optional[int]) -> List[int]:
+    """The last ``n`` context tokens, behind the BOS the model expects first."""
+    tail = list(ids[-n:])
+    if bos is not None and ids and ids[0] == bos and (not tail or tail[0] != bos):
+        tail = [bos] + tail
+    return tail
+
+
+def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
+                 translator: Translator, prompt: str,
+                 native_tail: Optional[int] = None) -> Tuple[List, List[int], float]:
+    """The source reads ``prompt`` (not timed: it did during its turn), then the
+    switch: (target cache, pending tokens, translation time)."""
+    if translator.cross_tokenizer:
+        source_tokens = tokenize_with_offsets(source_tokenizer, prompt)
+        source_cache = prefill(source, mx.array(source_tokens[0]))
+        mx.eval([(c.keys, c.values) for c in source_cache])
+        result = switch_text(source, source_tokenizer, target, target_tokenizer, translator,
+                             prompt, source_cache, native_tail, source_tokens)
+    else:
+        ids = tokenize_with_offsets(source_tokenizer, prompt)[0]
+        source_cache = prefill(source, mx.array(ids[:-1]))
+        mx.eval([(c.keys, c.values) for c in source_cache])
+        result = switch(source, target, translator, ids, source_cache, native_tail)
+    return result.cache, result.pending.tolist(), result.translate_s
+
+
+# ---------------------------------------------------------------------------
+# A set of items
+
+
+def equal_time_tokens(times: Dict[int, float], target_s: float) -> int:
+    """The context length whose re-prefill takes ``target_s``, interpolated from
+    measured (length, seconds) points (clamped to their range)."""
+    ns = sorted(times)
+    ts = [times[n] for n in ns]
+    return int(round(float(np.interp(target_s, ts, ns))))
+
+
+def measure_recall(
+    source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
+    translator: Translator, items: Sequence[RecallItem],
+    truncations: Sequence[int] = DEFAULT_TRUNCATIONS, native_tail: Optional[int] = None,
+    log: Callable[[str], None] = print, source_name: str = "source",
+    target_name: str = "target",
+) -> RecallResult:
+    """Score every item under every setting (module docstring), items in order and
+    settings interleaved per item so that the machine's load is shared alike."""
+    bos = getattr(target_tokenizer, "bos_token_id", None)
+    scores: Dict[str, List[RecallScore]] = {}
+
+    def add(setting, score):
+        scores.setdefault(setting, []).append(score)
+
+    prepared = []
+    for i, item in enumerate(items):
+        ids = tokenize_with_offsets(target_tokenizer, item.prompt)[0]
+        answer = answer_tokens(target_tokenizer, ids, item.prompt, item.answer)
+        cue = len(target_tokenizer.encode(item.cue, add_special_tokens=False))
+        prepared.append((ids, answer))
+        cache, pending, s = native_state(target, ids)
+        add(NATIVE, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
+        cache, pending, s = switch_state(source, source_tokenizer, target, target_tokenizer,
+                                         translator, item.prompt, native_tail)
+        add(SWITCH, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
+        for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
+            cache, pending, s = native_state(target, truncated_ids(ids, n, bos))
+            add(setting, score_state(target, target_tokenizer, cache, pending, answer,
+                                     item.answer, s))
+        log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): native "
+            f"{scores[NATIVE][-1].said!r}, switch {scores[SWITCH][-1].said!r}")
+    # The equal-time baseline: as many recent tokens as the switch's time allows.
+    times = {n: statistics.median(s.ttft_s for s in scores[f"last {n}"]) for n in truncations}
+    times[statistics.median(len(ids) for ids, _ in prepared)] = statistics.median(
+        s.ttft_s for s in scores[NATIVE])
+    n_eq = equal_time_tokens(times, statistics.median(s.ttft_s for s in scores[SWITCH]))
+    for item, (ids, answer) in zip(items, prepared):
+        cache, pending, s = native_state(target, truncated_ids(ids, n_eq, bos))
+        add(EQUAL_TIME, score_state(target, target_tokenizer, cache, pending, answer,
+                                    item.answer, s))
+    return RecallResult(source_name, target_name, list(items), scores, n_eq)
+
+
+def format_table(result: RecallResult) -> str:
+    """A markdown table: one row per setting."""
+    lines = [f"{result.source} -> {result.target}, {len(result.items)} items "
+             f"(equal time: the last {result.equal_time_tokens} tokens)", "",
+             "| setting | exact match [95% CI] | answer NLL [95% CI] | TTFT (median) |",
+             "|---|---|---|---|"]
+    for setting in result.scores:
+        e, n = result.exact_rate(setting), result.answer_nll(setting)
+        lines.append(f"| {setting} | {e.value:.2f} [{e.low:.2f}, {e.high:.2f}] | "
+                     f"{n.value:.2f} [{n.low:.2f}, {n.high:.2f}] | "
+                     f"{result.ttft(setting) * 1e3:.0f} ms |")
+    return "\n".join(lines)

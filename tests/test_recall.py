@@ -1,0 +1,127 @@
+"""Long-range recall items and their scoring (data.recall, measure.recall)."""
+
+
+import pytest
+from tiny import identity_translator, tiny_model
+
+from mlx_kvlingo.data.recall import KINDS, TEMPLATES, recall_items
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.measure.recall import (
+    EQUAL_TIME,
+    NATIVE,
+    NONE,
+    SWITCH,
+    equal_time_tokens,
+    format_table,
+    matches,
+    measure_recall,
+    truncated_ids,
+)
+
+FILLER = [" ".join(f"Sentence {i} of paragraph {p} says little of note." for i in range(12))
+          for p in range(60)]
+
+
+def words(text):
+    return len(text.split())
+
+
+def test_items_hold_the_fact_at_its_depth_and_the_cue_never_says_the_answer():
+    items = recall_items(FILLER, 24, 300, words, seed=3)
+    assert {i.kind for i in items} == set(KINDS)
+    for item in items:
+        assert item.answer.strip() in item.context  # stated once, in the context
+        assert item.answer.strip() not in item.cue
+        assert item.context.count(item.answer.strip()) == 1
+        assert words(item.prompt) <= 300
+        at = item.context.index(item.answer.strip())
+        assert abs(at / len(item.context) - item.depth) < 0.3
+    # Deterministic in the seed; another seed gives other values.
+    assert recall_items(FILLER, 24, 300, words, seed=3) == items
+    assert recall_items(FILLER, 24, 300, words, seed=4) != items
+
+
+def test_every_kind_uses_several_phrasings():
+    assert all(len(TEMPLATES[k]) >= 3 for k in KINDS)
+    items = recall_items(FILLER, 64, 300, words, kinds=["number"], seed=0)
+    assert len({i.template for i in items}) == len(TEMPLATES["number"])
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(KvlingoError, match="kinds"):
+        recall_items(FILLER, 4, 300, words, kinds=["colour"])
+    with pytest.raises(KvlingoError, match="filler"):
+        recall_items(FILLER[:1], 4, 300, words)
+
+
+def test_an_answer_matches_only_as_a_whole_word():
+    assert matches(" 58213.", " 58213")
+    assert matches("58213 and more", " 58213")
+    assert not matches(" 582.", " 58213")
+    assert not matches(" 582131", " 58213")
+    assert matches(" Pomi Gufa, who", " Pomi Gufa")
+
+
+def test_truncation_keeps_the_bos_and_the_last_tokens():
+    assert truncated_ids([1, 5, 6, 7, 8], 2, bos=1) == [1, 7, 8]
+    assert truncated_ids([5, 6, 7, 8], 2, bos=1) == [7, 8]
+    assert truncated_ids([1, 5, 6], 9, bos=1) == [1, 5, 6]
+
+
+def test_equal_time_interpolates_between_measured_lengths():
+    times = {16: 0.1, 64: 0.2, 256: 0.6, 550: 1.2}
+    assert equal_time_tokens(times, 0.4) == 160
+    assert equal_time_tokens(times, 5.0) == 550  # clamped
+    assert equal_time_tokens(times, 0.0) == 16
+
+
+class WordTokenizer:
+    """Words as tokens (ids stable per word), with character offsets."""
+
+    bos_token_id = None
+
+    def __init__(self):
+        self.vocab = {}
+
+    def _ids(self, text):
+        out, offsets, pos = [], [], 0
+        for w in text.split(" "):
+            if w:
+                out.append(self.vocab.setdefault(w, 2 + len(self.vocab) % 90))
+                offsets.append((pos, pos + len(w)))
+            pos += len(w) + 1
+        return out, offsets
+
+    def encode(self, text, add_special_tokens=True):
+        return self._ids(text)[0]
+
+    def __call__(self, text, add_special_tokens=True, return_offsets_mapping=False):
+        ids, offsets = self._ids(text)
+        return {"input_ids": ids, "offset_mapping": offsets}
+
+    def decode(self, ids, **kw):
+        inverse = {v: k for k, v in self.vocab.items()}
+        return "".join(" " + inverse.get(i, "?") for i in ids)
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_an_exact_switch_scores_as_the_native_prefill():
+    """With an identity translator a switch is a re-prefill: same greedy answers,
+    same answer NLLs; the equal-time baseline is a truncation between the
+    measured lengths; every setting scored every item."""
+    m = tiny_model("qwen3")
+    tok = WordTokenizer()
+    items = recall_items(FILLER, 3, 120, words, seed=1)
+    t = identity_translator(m, tok)
+    result = measure_recall(m, tok, m, tok, t, items, truncations=(8, 32), log=lambda s: None)
+    assert set(result.scores) == {NATIVE, SWITCH, "last 8", "last 32", NONE, EQUAL_TIME}
+    assert all(len(v) == 3 for v in result.scores.values())
+    for a, b in zip(result.scores[NATIVE], result.scores[SWITCH]):
+        assert a.said == b.said
+        assert abs(a.answer_nll - b.answer_nll) < 1e-3
+        assert a.read == b.read
+    assert 8 <= result.equal_time_tokens <= max(s.read for s in result.scores[NATIVE])
+    assert result.exact_rate(NATIVE).value == result.exact_rate(SWITCH).value
+    assert "| switch |" in format_table(result)
