@@ -1,0 +1,127 @@
+"""Selected context positions recomputed by the target on top of a translated cache.
+
+A translated cache keeps the gist of a context but loses exact facts: the
+question's queries no longer find a fact's tokens through their translated keys.
+Giving the target's own K/V to the few tokens that carry a fact brings the recall
+back. Their own K/V depend on everything before them, so each selected *span* of
+positions a..b-1 is run through the target once, its queries attending to the
+cache before a (translated, or recomputed by an earlier span) and to the span
+itself, in order; its new K/V replace the translated ones. A span costs about
+(b - a) / T of a re-prefill of T tokens, plus one pass's fixed overhead.
+
+Sliding-window layers attend to the positions before a that the translated cache
+still holds (a switch keeps only a window's worth); a span older than that sees
+only itself in those layers.
+"""
+
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from ..errors import KvlingoError
+from ..models.cache import read_layer
+
+Span = Tuple[int, int]
+
+
+class _SpanView:
+    """A layer cache as the target's layers see it while one span is recomputed:
+    the keys held before the span, then the span's own. Nothing is written to the
+    real cache here; the span's keys and values are kept for the caller."""
+
+    def __init__(self, keys: Optional[mx.array], values: Optional[mx.array], start: int):
+        self.prefix_keys, self.prefix_values = keys, values
+        self.offset = start  # the span's first position: the model ropes from here
+        self.keys = self.values = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        if self.prefix_keys is None:
+            return keys, values
+        return (mx.concatenate([self.prefix_keys, keys], axis=2),
+                mx.concatenate([self.prefix_values, values], axis=2))
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        held = 0 if self.prefix_keys is None else self.prefix_keys.shape[2]
+        queries = mx.arange(self.offset, self.offset + N)[:, None]
+        keys = mx.arange(self.offset - held, self.offset + N)[None]
+        allowed = keys <= queries
+        if window_size is not None:
+            allowed = allowed & (queries - keys < window_size)
+        return allowed
+
+
+def _held_before(c, start: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+    """Keys and values of the positions up to ``start`` that layer cache ``c`` holds,
+    as a contiguous run ending at start - 1 (a sliding window's worth at most)."""
+    if isinstance(c, RotatingKVCache):
+        k, v, first = read_layer(c)
+        if k is None or first >= start:
+            return None, None
+        lo = max(first, start - c.max_size + 1)
+        return k[..., lo - first : start - first, :], v[..., lo - first : start - first, :]
+    if isinstance(c, KVCache):
+        if c.keys is None or start == 0:
+            return None, None
+        return c.keys[..., :start, :], c.values[..., :start, :]
+    raise KvlingoError(f"Cannot recompute positions in a {type(c).__name__}.")
+
+
+def _write_span(c, keys: mx.array, values: mx.array, start: int):
+    """Replace the rows of positions start.. in layer cache ``c`` (rows it does not
+    hold, before a sliding window, are skipped)."""
+    n = keys.shape[2]
+    if isinstance(c, RotatingKVCache):
+        _, _, first = read_layer(c)
+        if c._idx not in (c.keys.shape[2], c.offset):  # wrapped around: not in order
+            raise KvlingoError("Recompute needs a sliding-window cache in temporal order "
+                               "(as a switch leaves it, before any decoding step).")
+        lo = max(start, first)
+        if lo >= start + n:
+            return
+        keys, values, start = keys[..., lo - start :, :], values[..., lo - start :, :], lo
+        row = start - first
+    else:
+        row = start
+    c.keys[..., row : row + keys.shape[2], :] = keys.astype(c.keys.dtype)
+    c.values[..., row : row + values.shape[2], :] = values.astype(c.values.dtype)
+
+
+def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
+                    spans: Sequence[Span]) -> float:
+    """Recompute the positions of each span [a, b) of ``cache`` (which holds
+    ``tokens[:T]``, T >= every b) natively, in order. Returns the seconds taken."""
+    t0 = time.perf_counter()
+    length = min(c.offset for c in cache)
+    body = target.model
+    for a, b in sorted(spans):
+        if not 0 <= a < b <= length:
+            raise KvlingoError(f"Cannot recompute positions {a}..{b - 1} of a "
+                               f"{length}-position cache.")
+        views = [_SpanView(*_held_before(c, a), a) for c in cache]
+        body(mx.array([list(tokens[a:b])]), cache=views)
+        for c, view in zip(cache, views):
+            _write_span(c, view.keys, view.values, a)
+        mx.eval([(c.keys, c.values) for c in cache])
+    return time.perf_counter() - t0
+
+
+def merge_spans(positions: Sequence[int], before: int = 0, after: int = 0, gap: int = 0,
+                lo: int = 1, hi: Optional[int] = None) -> List[Span]:
+    """Spans covering each position widened by ``before``/``after`` tokens, within
+    [lo, hi), spans at most ``gap`` apart joined (one pass each: fewer passes)."""
+    spans: List[List[int]] = []
+    for p in sorted(set(positions)):
+        a, b = max(p - before, lo), p + after + 1
+        if hi is not None:
+            b = min(b, hi)
+        if a >= b:
+            continue
+        if spans and a <= spans[-1][1] + gap:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    return [(a, b) for a, b in spans]

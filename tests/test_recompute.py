@@ -1,0 +1,92 @@
+"""Positions recomputed by the target on top of a translated cache (switching.recompute)."""
+
+import mlx.core as mx
+import pytest
+from tiny import CONFIGS, identity_translator, tiny_model
+
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.cache import read_layer
+from mlx_kvlingo.switching.api import switch
+from mlx_kvlingo.switching.recompute import merge_spans, recompute_spans
+
+ARCHS = sorted(CONFIGS)
+
+
+def model(arch):
+    """A tiny model whose sliding windows (gemma3_text) hold the whole test context:
+    recomputing is exact only where the translated cache holds what a span's
+    sliding layers look back at."""
+    return tiny_model(arch, sliding_window=64) if arch == "gemma3_text" else tiny_model(arch)
+
+
+def tokens(n, seed=0):
+    return mx.random.randint(1, 97, (n,), key=mx.random.key(seed)).tolist()
+
+
+def caches_close(a, b, atol=2e-4):
+    for x, y in zip(a, b):
+        (ka, va, sa), (kb, vb, sb) = read_layer(x), read_layer(y)
+        if sa != sb or ka.shape != kb.shape:
+            return False
+        if mx.abs(ka - kb).max().item() > atol or mx.abs(va - vb).max().item() > atol:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recomputing_a_native_cache_changes_nothing(arch):
+    m = model(arch)
+    ids = tokens(21, seed=1)
+    exact = switch(m, m, identity_translator(m), ids, native_tail=0)
+    expected = switch(m, m, identity_translator(m), ids, native_tail=0)
+    recompute_spans(m, exact.cache, ids, [(3, 7), (12, 15)])
+    assert caches_close(exact.cache, expected.cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recomputing_every_position_makes_a_broken_translation_native(arch):
+    """Zero maps carry nothing; recomputing positions 1.. (0 is the native sink) in
+    one span gives the target's own cache, so its next-token logits are a
+    re-prefill's."""
+    m = model(arch)
+    ids = tokens(21, seed=2)
+    broken = switch(m, m, identity_translator(m, scale=0.0), ids, native_tail=0)
+    native = switch(m, m, identity_translator(m), ids, native_tail=0)
+    assert not caches_close(broken.cache, native.cache)
+    recompute_spans(m, broken.cache, ids, [(1, 20)])
+    assert caches_close(broken.cache, native.cache)
+    last = mx.array([ids[-1:]])
+    got, want = m(last, cache=broken.cache), m(last, cache=native.cache)
+    assert mx.abs(got - want).max().item() < 1e-3
+
+
+def test_spans_are_checked():
+    m = tiny_model("llama")
+    ids = tokens(12)
+    result = switch(m, m, identity_translator(m), ids, native_tail=0)
+    with pytest.raises(KvlingoError, match="Cannot recompute"):
+        recompute_spans(m, result.cache, ids, [(5, 40)])
+
+
+def test_positions_become_merged_spans():
+    assert merge_spans([5, 6, 20], before=2, after=1) == [(3, 8), (18, 22)]
+    assert merge_spans([5, 9], before=1, after=1, gap=2) == [(4, 11)]
+    assert merge_spans([0, 1], before=3, lo=1) == [(1, 2)]  # position 0: the native sink
+    assert merge_spans([10], after=5, hi=12) == [(10, 12)]
+
+
+def test_a_span_older_than_the_window_sees_only_itself_in_sliding_layers():
+    """Gemma-style sliding layers of 8 positions: a switch keeps the last 8, so a
+    span at positions 3..6 of 21 is recomputed with nothing before it in those
+    layers (its rows there are never attended again and stay as they were); the
+    full-attention layer's rows change. Later positions are still exact."""
+    m = tiny_model("gemma3_text")
+    ids = tokens(21, seed=3)
+    cache = switch(m, m, identity_translator(m), ids, native_tail=0).cache
+    native = switch(m, m, identity_translator(m), ids, native_tail=0).cache
+    recompute_spans(m, cache, ids, [(3, 7)])
+    for c, n, window in zip(cache, native, [8, 8, None, 8, 8, None]):
+        k, _, first = read_layer(c)
+        k0, _, _ = read_layer(n)
+        same = mx.abs(k - k0).max().item() < 2e-4
+        assert same == (window is not None), (window, first)
