@@ -129,6 +129,10 @@ def tiny_vocab():
 LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
              rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
+# Tied embeddings (no output.weight), as some qwen2 GGUF files are; the real ones have one.
+QWEN2 = dict(model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+             rope_theta=1e6, max_position_embeddings=2048, tie_word_embeddings=True)
 GEMMA3 = dict(model_type="gemma3_text", hidden_size=256, num_hidden_layers=6,
               intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
               rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0,
@@ -142,6 +146,7 @@ LAYER_TYPES = [
     {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.F16, "attn_output": T.F32,
      "ffn_gate": T.Q6_K, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K},
 ]
+QWEN2_BIASES = ("attn_q", "attn_k", "attn_v")
 MLX_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -214,9 +219,13 @@ def write_tiny_gguf(path, arch, config, seed=0):
             heads = {"attn_q": nh, "attn_k": nkv}.get(part) if arch == "llama" else None
             matrix(f"blk.{i}.{part}.weight", f"model.layers.{i}.{MLX_NAMES[part]}.weight",
                    shape, kinds[part], heads)
+            if arch == "qwen2" and part in QWEN2_BIASES:  # float32, large enough to matter
+                b = (0.5 * rng.standard_normal(shape[0])).astype(np.float32)
+                w.add_tensor(f"blk.{i}.{part}.bias", b)
+                ref[f"model.layers.{i}.{MLX_NAMES[part]}.bias"] = b
         p = f"model.layers.{i}."
         norm(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", H)
-        if arch == "llama":
+        if arch != "gemma3":
             norm(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", H)
         else:
             norm(f"blk.{i}.ffn_norm.weight", p + "pre_feedforward_layernorm.weight", H)
@@ -245,7 +254,7 @@ def reference_model(config, weights):
     return model
 
 
-ARCHS = {"llama": LLAMA, "gemma3": GEMMA3}
+ARCHS = {"llama": LLAMA, "qwen2": QWEN2, "gemma3": GEMMA3}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -339,6 +348,57 @@ def test_damaged_and_unsupported_files_are_refused(tiny_gguf, tmp_path):
     w.close()
     with pytest.raises(KvlingoError, match="architecture 'phi2' is not supported"):
         load_gguf(other)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2.gguf"
+    return path, write_tiny_gguf(path, "qwen2", QWEN2)
+
+
+def test_qwen2_config_biases_and_unpermuted_rows(tiny_qwen2):
+    path, ref = tiny_qwen2
+    config, weights = kv_gguf.gguf_weights(GGUFReader(str(path)), dequantize=True)
+    assert config["model_type"] == "qwen2"
+    assert config["rope_theta"] == 1e6 and config["rms_norm_eps"] == 1e-6
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in weights
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.1.self_attn.{part}.bias"
+        np.testing.assert_array_equal(np.array(weights[name]), ref[name])
+    # llama.cpp writes qwen2's Q/K rows as they are: un-permuting them would be wrong.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(np.array(weights[q]), ref[q])
+    assert not np.array_equal(unpermute_rows(ref[q], 4), ref[q])
+    model = kv_gguf.build_model(config, weights)
+    assert model.layers[0].self_attn.k_proj.bias is not None
+
+
+def test_qwen2_biases_change_the_logits(tiny_qwen2):
+    path, ref = tiny_qwen2
+    model, _ = load_gguf(path, dequantize=True)
+    zeroed = {k: np.zeros_like(v) if k.endswith(".bias") else v for k, v in ref.items()}
+    tokens = mx.array([[5, 17, 42, 99, 3]])
+    assert not np.allclose(np.array(model(tokens)),
+                           np.array(reference_model(QWEN2, zeroed)(tokens)), atol=1e-3)
+
+
+def test_qwen2_without_biases_is_refused(tmp_path):
+    path = tmp_path / "nobias.gguf"
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(KvlingoError, match="lacks the Q/K/V biases"):
+        load_gguf(path)
 
 
 def fetch_cli():
