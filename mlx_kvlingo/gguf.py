@@ -84,6 +84,11 @@ def read_gguf(path: Union[str, Path]):
 _MISSING = object()
 
 
+def gguf_architecture(path: Union[str, Path]) -> str:
+    """``general.architecture`` of a GGUF file (its magic and metadata checked on the way)."""
+    return _meta(read_gguf(path), "general.architecture")
+
+
 def _meta(reader, key: str, default=_MISSING):
     field = reader.fields.get(key)
     if field is None:
