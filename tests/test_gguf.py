@@ -425,6 +425,38 @@ def test_fetch_models_command_help_and_unknown_model(tmp_path):
     result = runner.invoke(app, ["fetch-models", "-m", "llama-70b", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 1 and "Unknown pretrained model" in result.output
     assert not any(tmp_path.iterdir())  # nothing fetched
+    result = runner.invoke(app, ["fetch-models", "qwen", "qwen-72b", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "Unknown pretrained model 'qwen-72b'" in result.output
+    assert not any(tmp_path.iterdir())  # not even the valid names before it
+
+
+QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+@pytest.mark.parametrize(
+    "args, fetched",
+    [
+        ([], ["smollm2", "gemma3"]),  # the default pair, as before the Qwen models
+        (["qwen"], list(QWEN)),
+        (["-m", "qwen2.5-coder-0.5b"], ["qwen2.5-coder-0.5b"]),
+        (["gemma3", "--model", "qwen"], ["gemma3", *QWEN]),
+    ],
+)
+def test_fetch_models_names_and_groups(args, fetched, monkeypatch, tmp_path):
+    from mlx_kvlingo import pretrained
+
+    calls = []
+
+    def fake_fetch(name, cache_dir, quantized, log):
+        calls.append(name)
+        return tmp_path / name
+
+    monkeypatch.setattr(pretrained, "fetch", fake_fetch)
+    runner, app = fetch_cli()
+    result = runner.invoke(app, ["fetch-models", *args])
+    assert result.exit_code == 0, result.output
+    assert calls == fetched
+    assert all(f"{name}: {tmp_path / name}" in result.output for name in fetched)
 
 
 # ---------------------------------------------------------------------------
