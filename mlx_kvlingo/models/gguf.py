@@ -12,7 +12,8 @@ weights as blocks of llama.cpp quantization types. This module reads a file with
 - renames ``blk.N.*`` tensors to mlx-lm names and undoes llama.cpp's conventions:
   llama's Q and K rows are permuted for its rope layout (un-permuted here: weight,
   scales and biases alike), gemma3 stores every norm weight as ``w + 1`` (1 is
-  subtracted here; mlx-lm's gemma RMSNorm adds it back);
+  subtracted here; mlx-lm's gemma RMSNorm adds it back); qwen2 is stored as it is
+  (llama.cpp permutes only llama-architecture Q/K rows), Q/K/V biases included;
 - rebuilds the Hugging Face tokenizer from the metadata, chat template included.
 
 The result is either a model in memory (``load_gguf``) or an mlx-lm directory that
@@ -37,9 +38,10 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import KvlingoError
+from .geometry import check_supported
 
 GROUP_SIZE = 32  # MLX group size every repacked type maps onto
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
 def _gguf_package():
@@ -81,6 +83,11 @@ def read_gguf(path: Union[str, Path]):
 
 
 _MISSING = object()
+
+
+def gguf_architecture(path: Union[str, Path]) -> str:
+    """``general.architecture`` of a GGUF file (its magic and metadata checked on the way)."""
+    return _meta(read_gguf(path), "general.architecture")
 
 
 def _meta(reader, key: str, default=_MISSING):
@@ -313,6 +320,7 @@ _LAYER_NAMES = {
 }
 _ARCH_LAYER_NAMES = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
@@ -363,6 +371,50 @@ def _rope_scaling(reader, arch) -> Optional[dict]:
     raise KvlingoError(f"Rope scaling {kind!r} in a GGUF file is not supported (only linear).")
 
 
+def _llama_config(reader, config: dict, names: set) -> dict:
+    return dict(
+        model_type="llama",
+        rope_theta=_f32_value(_meta(reader, "llama.rope.freq_base", 10000.0)),
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+    )
+
+
+def _qwen2_config(reader, config: dict, names: set) -> dict:
+    # mlx-lm's qwen2 derives head_dim from hidden / heads and always has Q/K/V biases.
+    if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+        raise KvlingoError(
+            f"qwen2 with head_dim {config['head_dim']} x {config['num_attention_heads']} "
+            f"heads != hidden size {config['hidden_size']} is not supported."
+        )
+    if not {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= names:
+        raise KvlingoError("The qwen2 GGUF file lacks the Q/K/V biases qwen2 attention has.")
+    return dict(
+        model_type="qwen2",
+        rope_theta=_f32_value(_meta(reader, "qwen2.rope.freq_base", 1e6)),
+    )
+
+
+def _gemma3_config(reader, config: dict, names: set) -> dict:
+    """gemma3, with the values llama.cpp hard-codes for it."""
+    hidden, n_heads = config["hidden_size"], config["num_attention_heads"]
+    return dict(
+        model_type="gemma3_text",
+        rope_theta=_f32_value(_meta(reader, "gemma3.rope.freq_base", 1e6)),
+        rope_local_base_freq=10000.0,
+        sliding_window=int(_meta(reader, "gemma3.attention.sliding_window")),
+        sliding_window_pattern=6,
+        # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden/heads)
+        query_pre_attn_scalar=(
+            hidden // n_heads if config["num_hidden_layers"] == 62 else config["head_dim"]
+        ),
+    )
+
+
+# The architecture-specific part of the config, from the shared part and the tensor names.
+_ARCH_CONFIGS = {"llama": _llama_config, "qwen2": _qwen2_config, "gemma3": _gemma3_config}
+
+
 def gguf_config(reader) -> dict:
     """The mlx-lm config.json dict for a GGUF file's metadata."""
     arch = _meta(reader, "general.architecture")
@@ -404,24 +456,7 @@ def gguf_config(reader) -> dict:
         tie_word_embeddings="output.weight" not in names,
         rope_scaling=_rope_scaling(reader, arch),
     )
-    if arch == "llama":
-        config.update(
-            model_type="llama",
-            rope_theta=_f32_value(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
-            attention_bias="blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_up.bias" in names,
-        )
-    else:  # gemma3, with the values llama.cpp hard-codes for it
-        n_layers = config["num_hidden_layers"]
-        config.update(
-            model_type="gemma3_text",
-            rope_theta=_f32_value(_meta(reader, f"{arch}.rope.freq_base", 1e6)),
-            rope_local_base_freq=10000.0,
-            sliding_window=int(_meta(reader, f"{arch}.attention.sliding_window")),
-            sliding_window_pattern=6,
-            # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden/heads)
-            query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim,
-        )
+    config.update(_ARCH_CONFIGS[arch](reader, config, names))
     return {k: v for k, v in config.items() if v is not None}
 
 
@@ -612,8 +647,6 @@ def load_gguf(
     slow) or MLX-quantized ones (default on Metal / CUDA). ``dtype``: the floating
     type of weights, scales and biases (default float32: exact for every type).
     """
-    from .geometry import check_supported
-
     path = Path(path)
     dequantize = _on_cpu() if dequantize is None else dequantize
     reader = read_gguf(path)

