@@ -24,6 +24,8 @@ position by position): 384 tokens for Gemma 3 (window 512). The translator is th
 shipped one unless ``--translator`` names a file.
 """
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
 import argparse
 import json
 from pathlib import Path
@@ -31,7 +33,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo.measure.evaluate import continuation_logprobs
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.load import load_pair

@@ -9,6 +9,8 @@ and of the next-token log-probabilities).
     python benchmarks/prefill_attention.py --json benchmarks/results/prefill-attention.json
 """
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
 import argparse
 import json
 import os
@@ -18,7 +20,6 @@ import time
 
 import mlx.core as mx
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo import cpu_math
 from mlx_kvlingo.models.cache import prefill, read_layer
 from mlx_kvlingo.models.load import load_pair

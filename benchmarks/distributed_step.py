@@ -32,13 +32,14 @@ from pathlib import Path
 
 
 def worker(args):
+    import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
     import inspect as inspect_mod
 
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
 
-    import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
     from mlx_kvlingo.data import corpus as data
     from mlx_kvlingo.models.load import load
     from mlx_kvlingo.train import distributed

@@ -7,6 +7,8 @@ shipped file, on Austen text; medians, interleaved.
 
     python benchmarks/session_extend.py [--tokens 1024,3900] [--rounds 2] [--json OUT]
 """
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
 import argparse
 import json
 import statistics
@@ -17,7 +19,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from switch_cost_shipped import austen_text  # this folder's: the same text
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.pairs.shipped import shipped_translator

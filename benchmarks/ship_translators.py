@@ -12,13 +12,14 @@ what was measured is: save the candidate with ``--bits 8`` into the work directo
 evaluate that file, then run this.
 """
 
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
 import argparse
 import json
 from pathlib import Path
 
 import mlx.core as mx
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo.pairs.shipped import ASSETS, SHIPPED
 from mlx_kvlingo.translator.maps import (
     METADATA_KEY,

@@ -9,6 +9,8 @@ OLD_DIR holds the earlier smollm2-to-gemma3 / gemma3-to-smollm2 .safetensors fil
 `git show REV:mlx_kvlingo/assets/translators/...`); a direction whose file is missing
 there is timed with the shipped file alone.
 """
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
 import argparse
 import json
 import statistics
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo.data import corpus as data
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.load import load_pair

@@ -7,9 +7,10 @@ translator and streams the target's continuation.
     python examples/switch_models.py
 """
 
+import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
+
 import mlx.core as mx
 
-import mlx_kvlingo as kv  # first: fast BLAS on Linux, before mlx.core
 from mlx_kvlingo.data import corpus as data
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.pairs import toy

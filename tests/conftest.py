@@ -7,9 +7,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.dirname(__file__))  # for `tiny`
 
-import pytest  # noqa: E402
-
 import mlx_kvlingo  # noqa: E402,F401  (first: fast BLAS before mlx.core)
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

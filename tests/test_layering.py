@@ -139,3 +139,16 @@ def test_no_private_names_imported_from_the_package(folder):
             if private or any(part.startswith("_") for part in module.split(".")):
                 found.append(f"{p.relative_to(ROOT)}:{line} from {module} import {names}")
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "examples", "cli"])
+def test_scripts_import_the_package_before_mlx(folder):
+    """mlx_kvlingo preloads a fast BLAS, which works only before mlx.core is
+    imported: a script that imports mlx or mlx_lm first runs on the reference BLAS."""
+    late = []
+    for p in sorted((ROOT / folder).rglob("*.py")):
+        order = [module.split(".")[0] for _, module, _ in imported_names(p)
+                 if module.split(".")[0] in ("mlx", "mlx_lm", "mlx_kvlingo")]
+        if order and order[0] != "mlx_kvlingo" and "mlx_kvlingo" in order:
+            late.append(str(p.relative_to(ROOT)))
+    assert not late, "import mlx_kvlingo first in: " + ", ".join(late)

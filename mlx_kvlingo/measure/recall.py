@@ -148,22 +148,29 @@ def truncated_ids(ids: Sequence[int], n: int, bos: Optional[int]) -> List[int]:
     return tail
 
 
+def read_source(source: nn.Module, source_tokenizer, translator: Translator, prompt: str):
+    """What the source holds after reading ``prompt`` during its turn: (its cache,
+    its tokens with offsets). A switch only reads the cache, so one serves many."""
+    tokens = tokenize_with_offsets(source_tokenizer, prompt)
+    ids = tokens[0] if translator.cross_tokenizer else tokens[0][:-1]
+    cache = prefill(source, mx.array(ids))
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache, tokens
+
+
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
-                 translator: Translator, prompt: str,
-                 native_tail: Optional[int] = None) -> Tuple[List, List[int], float]:
-    """The source reads ``prompt`` (not timed: it did during its turn), then the
-    switch: (target cache, pending tokens, translation time)."""
+                 translator: Translator, prompt: str, native_tail: Optional[int] = None,
+                 read=None) -> Tuple[List, List[int], float]:
+    """The switch, from what the source holds (``read``, from :func:`read_source`;
+    read now, not timed, when not given): (target cache, pending tokens,
+    translation time)."""
+    source_cache, source_tokens = read or read_source(source, source_tokenizer, translator,
+                                                      prompt)
     if translator.cross_tokenizer:
-        source_tokens = tokenize_with_offsets(source_tokenizer, prompt)
-        source_cache = prefill(source, mx.array(source_tokens[0]))
-        mx.eval([(c.keys, c.values) for c in source_cache])
         result = switch_text(source, source_tokenizer, target, target_tokenizer, translator,
                              prompt, source_cache, native_tail, source_tokens)
     else:
-        ids = tokenize_with_offsets(source_tokenizer, prompt)[0]
-        source_cache = prefill(source, mx.array(ids[:-1]))
-        mx.eval([(c.keys, c.values) for c in source_cache])
-        result = switch(source, target, translator, ids, source_cache, native_tail)
+        result = switch(source, target, translator, source_tokens[0], source_cache, native_tail)
     return result.cache, result.pending.tolist(), result.translate_s
 
 
