@@ -44,6 +44,11 @@ def main(argv=None):
     p.add_argument("--items", type=int, default=48)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--native-tail", type=int, default=None, help="default: the translator's")
+    p.add_argument("--recompute", default="",
+                   help="comma-separated budgets (0.1 = 10%% of the context) of switches that "
+                   "recompute fact-like words")
+    p.add_argument("--oracle", action="store_true",
+                   help="also a switch that recomputes the fact sentence (an upper bound)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -55,7 +60,9 @@ def main(argv=None):
                          lambda text: len(ttok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed)
     result = measure_recall(src, stok, tgt, ttok, translator, items,
-                            native_tail=args.native_tail, source_name=args.source,
+                            native_tail=args.native_tail,
+                            recompute=[float(b) for b in args.recompute.split(",") if b],
+                            oracle=args.oracle, source_name=args.source,
                             target_name=args.target)
     print(format_table(result))
     if args.json:

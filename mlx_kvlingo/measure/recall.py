@@ -16,6 +16,7 @@ token (teacher-forced), and the time to the first token. Every setting sees the
 same items, so differences are paired.
 """
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,11 +30,13 @@ from ..data.recall import RecallItem
 from ..metrics import log_softmax, nll
 from ..models.cache import cache_length, copy_cache, last_logits, prefill
 from ..switching.api import switch, switch_text
+from ..switching.recompute import merge_spans, recompute_spans, salient_spans
 from ..translator.align import tokenize_with_offsets
 from ..translator.maps import Translator
 from .bootstrap import Interval, mean_interval, paired_mean_difference
 
 NATIVE, SWITCH, NONE, EQUAL_TIME = "native", "switch", "none", "equal-time"
+ORACLE = "switch + recompute the fact (oracle)"
 DEFAULT_TRUNCATIONS = (16, 64, 128, 256)
 
 
@@ -186,15 +189,36 @@ def equal_time_tokens(times: Dict[int, float], target_s: float) -> int:
     return int(round(float(np.interp(target_s, ts, ns))))
 
 
+def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List[int]:
+    """Target positions of the item's fact sentence: where the item put it, which a
+    real switch cannot know (the oracle a selection is measured against)."""
+    value = item.answer.strip()
+    at = item.context.index(value)
+    start = max(item.context.rfind(". ", 0, at) + 2, item.context.rfind("\n", 0, at) + 1, 0)
+    end = item.context.find(".", at + len(value))
+    end = len(item.context) if end < 0 else end + 1
+    return [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
+
+
+def recompute_setting(budget: float) -> str:
+    return f"switch + recompute {budget:.0%}"
+
+
 def measure_recall(
     source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
     translator: Translator, items: Sequence[RecallItem],
     truncations: Sequence[int] = DEFAULT_TRUNCATIONS, native_tail: Optional[int] = None,
+    recompute: Sequence[float] = (), oracle: bool = False,
     log: Callable[[str], None] = print, source_name: str = "source",
     target_name: str = "target",
 ) -> RecallResult:
     """Score every item under every setting (module docstring), items in order and
-    settings interleaved per item so that the machine's load is shared alike."""
+    settings interleaved per item so that the machine's load is shared alike.
+
+    ``recompute``: budgets (fractions of the context) of switches whose fact-like
+    words the target recomputes (``switching.recompute.salient_spans``); ``oracle``:
+    also a switch that recomputes the item's fact sentence, which only the item
+    knows. Each switch setting gets its own equal-time truncation."""
     bos = getattr(target_tokenizer, "bos_token_id", None)
     scores: Dict[str, List[RecallScore]] = {}
 
@@ -203,31 +227,48 @@ def measure_recall(
 
     prepared = []
     for i, item in enumerate(items):
-        ids = tokenize_with_offsets(target_tokenizer, item.prompt)[0]
+        ids, offsets = tokenize_with_offsets(target_tokenizer, item.prompt)
         answer = answer_tokens(target_tokenizer, ids, item.prompt, item.answer)
         cue = len(target_tokenizer.encode(item.cue, add_special_tokens=False))
         prepared.append((ids, answer))
         cache, pending, s = native_state(target, ids)
         add(NATIVE, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
-        cache, pending, s = switch_state(source, source_tokenizer, target, target_tokenizer,
-                                         translator, item.prompt, native_tail)
-        add(SWITCH, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
+        read = read_source(source, source_tokenizer, translator, item.prompt)
+        choices = [(SWITCH, None)] + [
+            (recompute_setting(b), lambda end, b=b: salient_spans(
+                item.prompt, offsets, int(b * len(ids)), translator.spec.native_prefix, end))
+            for b in recompute]
+        if oracle:
+            choices.append((ORACLE, lambda end: merge_spans(
+                fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end)))
+        for setting, select in choices:
+            cache, pending, s = switch_state(source, source_tokenizer, target, target_tokenizer,
+                                             translator, item.prompt, native_tail, read)
+            if select is not None:
+                s += recompute_spans(target, cache, ids, select(len(ids) - len(pending)))
+            add(setting, score_state(target, target_tokenizer, cache, pending, answer,
+                                     item.answer, s))
         for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
             cache, pending, s = native_state(target, truncated_ids(ids, n, bos))
             add(setting, score_state(target, target_tokenizer, cache, pending, answer,
                                      item.answer, s))
-        log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): native "
-            f"{scores[NATIVE][-1].said!r}, switch {scores[SWITCH][-1].said!r}")
-    # The equal-time baseline: as many recent tokens as the switch's time allows.
+        log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
+            + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
+    # The equal-time baselines: as many recent tokens as each switch's time allows.
     times = {n: statistics.median(s.ttft_s for s in scores[f"last {n}"]) for n in truncations}
     times[statistics.median(len(ids) for ids, _ in prepared)] = statistics.median(
         s.ttft_s for s in scores[NATIVE])
-    n_eq = equal_time_tokens(times, statistics.median(s.ttft_s for s in scores[SWITCH]))
-    for item, (ids, answer) in zip(items, prepared):
-        cache, pending, s = native_state(target, truncated_ids(ids, n_eq, bos))
-        add(EQUAL_TIME, score_state(target, target_tokenizer, cache, pending, answer,
-                                    item.answer, s))
-    return RecallResult(source_name, target_name, list(items), scores, n_eq)
+    equal = {}
+    for setting in [SWITCH] + [recompute_setting(b) for b in recompute]:
+        n_eq = equal_time_tokens(times, statistics.median(s.ttft_s for s in scores[setting]))
+        equal[setting] = n_eq
+        name = EQUAL_TIME if setting == SWITCH else f"{EQUAL_TIME} ({setting})"
+        for item, (ids, answer) in zip(items, prepared):
+            cache, pending, s = native_state(target, truncated_ids(ids, n_eq, bos))
+            add(name, score_state(target, target_tokenizer, cache, pending, answer,
+                                  item.answer, s))
+    return RecallResult(source_name, target_name, list(items), scores, equal[SWITCH],
+                        {"equal_time_tokens": json.dumps(equal)})
 
 
 def format_table(result: RecallResult) -> str:

@@ -14,6 +14,8 @@ still holds (a switch keeps only a window's worth); a span older than that sees
 only itself in those layers.
 """
 
+import bisect
+import re
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -125,3 +127,66 @@ def merge_spans(positions: Sequence[int], before: int = 0, after: int = 0, gap: 
         else:
             spans.append([a, b])
     return [(a, b) for a, b in spans]
+
+
+# ---------------------------------------------------------------------------
+# Which positions: words that carry facts, chosen from the context alone
+#
+# A fact's value is what no model can guess: a number, an identifier, a name, a
+# rare word. Such words stand out in the text itself (digits, underscores or inner
+# capitals, a capital inside a sentence) and in the tokenizer (a word it splits
+# into several pieces is one it rarely saw). The question is not known when the
+# cache is switched, so nothing here looks at it.
+
+_WORD = re.compile(r"[A-Za-z0-9_]+(?:[.'-][A-Za-z0-9_]+)*")
+
+
+def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
+    score = 0.0
+    if any(ch.isdigit() for ch in word):
+        score += 3
+    if "_" in word or re.search(r"[a-z][A-Z]", word):
+        score += 3
+    if word[0].isupper() and not sentence_start:
+        score += 2
+    return score + min(pieces - 1, 3) if score or pieces >= 3 else 0.0
+
+
+def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
+                  hi: Optional[int] = None) -> List[Tuple[float, List[int]]]:
+    """(score, token positions) of every fact-like word whose tokens lie in
+    positions lo..hi-1, best first (ties: earlier first)."""
+    hi = len(offsets) if hi is None else hi
+    starts = [a for a, b in offsets]
+    words = []
+    for m in _WORD.finditer(text):
+        a, b = m.span()
+        first = bisect.bisect_right(starts, a) - 1
+        positions = [i for i in range(max(first, lo), hi) if offsets[i][0] < b
+                     and offsets[i][1] > a]
+        if not positions:
+            continue
+        before = text[:a].rstrip()
+        sentence_start = not before or before[-1] in ".!?:\n\"'("
+        score = _word_score(m.group(), len(positions), sentence_start)
+        if score:
+            words.append((score, positions))
+    words.sort(key=lambda w: (-w[0], w[1][0]))
+    return words
+
+
+def salient_spans(text: str, offsets: Sequence[Tuple[int, int]], budget: int, lo: int = 1,
+                  hi: Optional[int] = None, before: int = 6, after: int = 1) -> List[Span]:
+    """Spans to recompute, at most ``budget`` positions in all: the best fact-like
+    words of ``text`` (tokenized at ``offsets``), each with the ``before`` tokens
+    that lead up to it (what a later mention repeats: "the code is") and
+    ``after`` behind it, within positions lo..hi-1."""
+    chosen: List[int] = []
+    spans: List[Span] = []
+    for _, positions in salient_words(text, offsets, lo, hi):
+        trial = merge_spans(chosen + positions, before, after, gap=2, lo=lo, hi=hi)
+        if sum(b - a for a, b in trial) > budget:
+            continue
+        chosen += positions
+        spans = trial
+    return spans
