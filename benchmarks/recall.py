@@ -15,24 +15,11 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-from mlx_kvlingo.data import corpus, prose
-from mlx_kvlingo.data.recall import KINDS, recall_items
+from mlx_kvlingo.data.recall import KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.recall import format_table, measure_recall
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.pairs.shipped import translator_for
-
-
-def heldout_filler():
-    """Held-out prose and documentation, alternating."""
-    _, austen = corpus.split_documents(prose.austen_documents())
-    _, stdlib = corpus.split_documents(corpus.stdlib_documents())
-    out = []
-    for i in range(max(len(austen), len(stdlib))):
-        for docs in (austen, stdlib):
-            if i < len(docs):
-                out.append(docs[i][1])
-    return out
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.train.recipe import fit_translator
+from mlx_kvlingo_cli.common import fail
 from mlx_kvlingo_cli.common import run as _run
 from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
@@ -313,9 +314,14 @@ def train(
 def eval_cmd(
     source: str = typer.Option(..., help="Source model."),
     target: str = typer.Option(..., help="Target model."),
-    translator: List[Path] = typer.Option(
-        ..., help="Translator file; repeat to compare several on the same samples."
+    translator: Optional[List[Path]] = typer.Option(
+        None, help="Translator file; repeat to compare several on the same samples (--task "
+        "recall: one; default the shipped one)."
     ),
+    task: str = typer.Option(
+        "cbr", help="'cbr': context benefit retained on held-out text; 'recall': a fact "
+        "deep in held-out text asked for at the end, after a switch, a re-prefill, the "
+        "equal-time truncation and no context."),
     corpus: str = typer.Option("stdlib", help=CORPUS_HELP + " Its held-out split is used."),
     context_lengths: str = typer.Option("128,256", help="Comma-separated context lengths."),
     continuation_len: int = typer.Option(64),
@@ -328,9 +334,21 @@ def eval_cmd(
         "'on', 'off', 'off,on' (both, scored on the same windows) or 'file' (as the "
         "translator file records)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    tokens: int = typer.Option(550, help="--task recall: context length in target tokens."),
+    items: int = typer.Option(48, help="--task recall: items (facts asked for)."),
+    recompute: str = typer.Option(
+        "", help="--task recall: comma-separated budgets (0.1 = 10%% of the context) of "
+        "switches whose fact-like words the target recomputes."),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
-    over windows), KL, top-1 per context length."""
+    over windows), KL, top-1 per context length; or (--task recall) long-range recall
+    with exact match, answer NLL and time to first token."""
+    if task == "recall":
+        return _recall(source, target, translator, tokens, items, recompute, json_out)
+    if task != "cbr":
+        fail(f"--task is cbr or recall, not {task!r}.")
+    if not translator:
+        fail("Give --translator (--task cbr).")
     from mlx_kvlingo.measure.evaluate import format_table
     from mlx_kvlingo.train.heldout import evaluate_files, write_report
 
@@ -348,6 +366,28 @@ def eval_cmd(
         if json_out:
             write_report(json_out, scored, source=source, target=target, corpus=corpus,
                          continuation_len=continuation_len, windows=windows)
+            typer.echo(f"Wrote {json_out}")
+
+    _run(go)
+
+
+def _recall(source, target, translator, tokens, items, recompute, json_out):
+    from mlx_kvlingo.measure.recall import format_table, run_recall
+    from mlx_kvlingo.pairs.shipped import translator_for
+
+    def go():
+        _warn_if_slow_blas()
+        if translator and len(translator) > 1:
+            raise KvlingoError("--task recall scores one translator.")
+        try:
+            budgets = [float(b) for b in recompute.split(",") if b.strip()]
+        except ValueError:
+            raise KvlingoError(f"--recompute takes fractions such as 0.1, got {recompute!r}.")
+        t = translator_for(source, target, translator[0] if translator else None)
+        result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo)
+        typer.echo(format_table(result))
+        if json_out:
+            json_out.write_text(json.dumps(result.to_dict(), indent=2))
             typer.echo(f"Wrote {json_out}")
 
     _run(go)

@@ -10,11 +10,13 @@ from mlx_kvlingo.measure.recall import (
     EQUAL_TIME,
     NATIVE,
     NONE,
+    ORACLE,
     SWITCH,
     equal_time_tokens,
     format_table,
     matches,
     measure_recall,
+    recompute_setting,
     truncated_ids,
 )
 
@@ -115,11 +117,15 @@ def test_an_exact_switch_scores_as_the_native_prefill():
     tok = WordTokenizer()
     items = recall_items(FILLER, 3, 120, words, seed=1)
     t = identity_translator(m, tok)
-    result = measure_recall(m, tok, m, tok, t, items, truncations=(8, 32), log=lambda s: None)
-    assert set(result.scores) == {NATIVE, SWITCH, "last 8", "last 32", NONE, EQUAL_TIME}
+    result = measure_recall(m, tok, m, tok, t, items, truncations=(8, 32), recompute=[0.1],
+                            oracle=True, log=lambda s: None)
+    recompute = recompute_setting(0.1)
+    assert set(result.scores) == {NATIVE, SWITCH, recompute, ORACLE, "last 8", "last 32",
+                                  NONE, EQUAL_TIME, f"{EQUAL_TIME} ({recompute})"}
     assert all(len(v) == 3 for v in result.scores.values())
-    for a, b in zip(result.scores[NATIVE], result.scores[SWITCH]):
-        assert a.said == b.said
+    for a, b, c, d in zip(*(result.scores[k] for k in (NATIVE, SWITCH, recompute, ORACLE))):
+        assert a.said == b.said == c.said == d.said  # recomputing exact positions: no change
+        assert abs(a.answer_nll - d.answer_nll) < 1e-3
         assert abs(a.answer_nll - b.answer_nll) < 1e-3
         assert a.read == b.read
     assert 8 <= result.equal_time_tokens <= max(s.read for s in result.scores[NATIVE])

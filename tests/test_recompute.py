@@ -90,3 +90,45 @@ def test_a_span_older_than_the_window_sees_only_itself_in_sliding_layers():
         k0, _, _ = read_layer(n)
         same = mx.abs(k - k0).max().item() < 2e-4
         assert same == (window is not None), (window, first)
+
+
+class CharTokenizer:
+    """Offsets of a whitespace split, each word cut into pieces of 3 characters: a
+    long word splits into several pieces, as a rare word does in BPE."""
+
+    @staticmethod
+    def offsets(text):
+        import re
+
+        out = []
+        for m in re.finditer(r"\S+", text):
+            a, b = m.span()
+            out += [(i, min(i + 3, b)) for i in range(a, b, 3)]
+        return out
+
+
+TEXT = ("It was a fine day. The clerk said the locker code is 58213 and left. "
+        "Then Pomini Gufifari called the helper parse_cfg_v2 twice. It rained.")
+
+
+def test_fact_like_words_rank_above_ordinary_ones():
+    from mlx_kvlingo.switching.recompute import salient_words
+
+    offsets = CharTokenizer.offsets(TEXT)
+    words = ["".join(TEXT[offsets[i][0]:offsets[i][1]] for i in pos)
+             for _, pos in salient_words(TEXT, offsets)]
+    assert words[0] == "parse_cfg_v2"  # an identifier with digits
+    assert set(words[:4]) == {"parse_cfg_v2", "58213", "Pomini", "Gufifari"}
+    assert "It" not in words and "Then" not in words  # capitals that start sentences
+
+
+def test_salient_spans_keep_to_the_budget_and_lead_up_to_each_word():
+    from mlx_kvlingo.switching.recompute import salient_spans
+
+    offsets = CharTokenizer.offsets(TEXT)
+    spans = salient_spans(TEXT, offsets, budget=12, before=3, after=0)
+    assert sum(b - a for a, b in spans) <= 12
+    covered = "".join(TEXT[offsets[a][0]:offsets[b - 1][1]] for a, b in spans)
+    assert "parse_cfg_v2" in covered
+    assert salient_spans(TEXT, offsets, budget=0) == []
+    assert all(1 <= a < b <= 20 for a, b in salient_spans(TEXT, offsets, 40, lo=1, hi=20))

@@ -58,3 +58,25 @@ def test_switch_uses_the_shipped_translator_and_its_calibrated_gate():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"(threshold {GATE_THRESHOLD:+.3f}) on 7 tokens" in proc.stdout
     assert "time to first token after switch" in proc.stdout
+
+
+def test_eval_recall_scores_the_shipped_translator_against_its_baselines(tmp_path):
+    """`eval --task recall`: every setting scored on the same items, and the target
+    re-prefilled knows the answer better than with no context."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "recall.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvlingo_cli.main", "eval", "--task", "recall",
+         "--source", "gemma3", "--target", "smollm2", "--tokens", "300", "--items", "4",
+         "--recompute", "0.1", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| switch + recompute 10% |" in proc.stdout and "| equal-time |" in proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["native"]["exact"]["value"] >= summary["none"]["exact"]["value"]
+    assert summary["native"]["answer_nll"]["value"] < summary["none"]["answer_nll"]["value"]
+    assert all(len(v) == 4 for v in json.loads(out.read_text())["scores"].values())

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from ..errors import KvlingoError
+from .corpus import split_documents, stdlib_documents
+from .prose import austen_documents
 
 KINDS = ("number", "name", "identifier", "list")
 
@@ -176,3 +178,14 @@ def _window(text: str, rng: random.Random, chars: int) -> str:
     para = text.rfind("\n\n", 0, start)
     start = para + 2 if para >= 0 else 0
     return text[start : start + chars].strip() + " "
+
+
+def heldout_filler() -> List[str]:
+    """Held-out English prose (Austen chapters) and documentation (standard-library
+    docstrings), alternating: text the shipped translators never trained on."""
+    _, austen = split_documents(austen_documents())
+    _, stdlib = split_documents(stdlib_documents())
+    out = []
+    for i in range(max(len(austen), len(stdlib))):
+        out += [docs[i][1] for docs in (austen, stdlib) if i < len(docs)]
+    return out

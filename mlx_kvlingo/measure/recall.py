@@ -26,8 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..data.recall import RecallItem
+from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
+from ..models.load import load_pair
 from ..models.cache import cache_length, copy_cache, last_logits, prefill
 from ..switching.api import switch, switch_text
 from ..switching.recompute import merge_spans, recompute_spans, salient_spans
@@ -283,3 +284,18 @@ def format_table(result: RecallResult) -> str:
                      f"{n.value:.2f} [{n.low:.2f}, {n.high:.2f}] | "
                      f"{result.ttft(setting) * 1e3:.0f} ms |")
     return "\n".join(lines)
+
+
+def run_recall(source: str, target: str, translator: Translator, tokens: int = 550,
+               count: int = 48, kinds: Sequence[str] = KINDS, recompute: Sequence[float] = (),
+               oracle: bool = False, native_tail: Optional[int] = None, seed: int = 0,
+               log: Callable[[str], None] = print) -> RecallResult:
+    """Load the two models and score ``count`` recall items of about ``tokens``
+    target tokens, built from held-out text (``data.recall.heldout_filler``)."""
+    src, src_tok, tgt, tgt_tok = load_pair(source, target, log=log)
+    translator.check_models(src, tgt, src_tok, tgt_tok)
+    items = recall_items(heldout_filler(), count, tokens, lambda text: len(tgt_tok.encode(text)),
+                         kinds=kinds, seed=seed)
+    return measure_recall(src, src_tok, tgt, tgt_tok, translator, items, native_tail=native_tail,
+                          recompute=recompute, oracle=oracle, log=log, source_name=source,
+                          target_name=target)
