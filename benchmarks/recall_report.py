@@ -1,0 +1,73 @@
+"""A markdown page from `benchmarks/recall.py --json` files: per run, every setting's
+exact match, answer NLL and time to first token with 95 % bootstrap intervals over
+items, the paired differences that matter, and exact match by kind of fact.
+
+    python benchmarks/recall_report.py benchmarks/results/recall-*.json > page.md
+"""
+
+import json
+import statistics
+import sys
+
+from mlx_kvlingo.measure.bootstrap import mean_interval, paired_mean_difference
+
+
+def exact(run, setting):
+    return [float(s["exact"]) for s in run["scores"][setting]]
+
+
+def row(run, setting):
+    e = mean_interval(exact(run, setting))
+    n = mean_interval([s["answer_nll"] for s in run["scores"][setting]])
+    ttft = statistics.median(s["ttft_s"] for s in run["scores"][setting])
+    read = statistics.median(s["read"] for s in run["scores"][setting])
+    return (f"| {setting} | {e.value:.2f} [{e.low:.2f}, {e.high:.2f}] | "
+            f"{n.value:.2f} [{n.low:.2f}, {n.high:.2f}] | {ttft * 1e3:.0f} ms | {read:.0f} |")
+
+
+def page(runs) -> str:
+    out = []
+    for run in runs:
+        settings = list(run["scores"])
+        equal = json.loads(run["notes"].get("equal_time_tokens", "{}"))
+        native_ttft = statistics.median(s["ttft_s"] for s in run["scores"]["native"])
+        out += [f"## {run['source']} -> {run['target']}, ~{run.get('tokens', '?')} tokens, "
+                f"{len(run['items'])} items", "",
+                f"`{run.get('command', '')}`", "",
+                "| setting | exact match [95% CI] | answer NLL [95% CI] | TTFT (median) | "
+                "tokens in the cache |", "|---|---|---|---|---|"]
+        out += [row(run, s) for s in settings]
+        out += ["", "Equal-time truncations (last N tokens, N from this run's times): "
+                + ", ".join(f"{k}: {v}" for k, v in equal.items()), ""]
+        out += ["| paired difference in exact match | value [95% CI] |", "|---|---|"]
+        pairs = [("native", "switch")] + [("switch", s) for s in settings
+                                          if s.startswith("switch +")]
+        pairs += [(s.replace("equal-time (", "").rstrip(")") if s.startswith("equal-time (")
+                   else "switch", s) for s in settings if s.startswith("equal-time")]
+        for a, b in pairs:
+            d = paired_mean_difference(exact(run, a), exact(run, b))
+            out.append(f"| {b} minus {a} | {d.value:+.2f} [{d.low:+.2f}, {d.high:+.2f}] |")
+        native = sum(exact(run, "native"))
+        out += ["", "Relative to the re-prefill (exact matches / the re-prefill's; time to "
+                "first token / the re-prefill's):", ""]
+        for s in settings:
+            if s.startswith("switch"):
+                t = statistics.median(x["ttft_s"] for x in run["scores"][s]) / native_ttft
+                out.append(f"- {s}: {sum(exact(run, s)) / max(native, 1):.2f} of the "
+                           f"re-prefill's exact matches, {t:.2f} of its time")
+        kinds = sorted({i["kind"] for i in run["items"]})
+        out += ["", "| exact match by kind | " + " | ".join(kinds) + " |",
+                "|---|" + "---|" * len(kinds)]
+        for s in settings:
+            by = run["summary"][s]["by_kind"]
+            out.append(f"| {s} | " + " | ".join(f"{by.get(k, 0):.2f}" for k in kinds) + " |")
+        env = run.get("environment", {})
+        out += ["", f"Machine: {env.get('platform')}, {env.get('cpu')}, {env.get('cpu_count')} "
+                f"cores, MLX {env.get('mlx')}, {env.get('blas')}; load average when it ended "
+                f"{env.get('load_average')} (two such runs shared the machine, one per core).",
+                ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(page([json.load(open(p)) for p in sys.argv[1:]]))
