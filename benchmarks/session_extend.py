@@ -22,7 +22,7 @@ from switch_cost_shipped import austen_text  # this folder's: the same text
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.pairs.shipped import shipped_translator
-from mlx_kvlingo.switching.kernel import translate_into as _translate
+from mlx_kvlingo.switching.kernel import translate_into
 from mlx_kvlingo.translator.align import align_text, tokenize_with_offsets
 from mlx_kvlingo.translator.maps import load_translator
 
@@ -52,7 +52,7 @@ def main():
         for r in range(args.rounds + 1):  # round 0 warms up
             for name, cache in paths.items():
                 t0 = time.perf_counter()
-                c = _translate(src, tgt, tr, source_cache, cache(), alignment, end, tokens,
+                c = translate_into(src, tgt, tr, source_cache, cache(), alignment, end, tokens,
                                room=TAIL + 1)
                 mx.eval([(x.keys, x.values) for x in c])
                 if r:

@@ -231,14 +231,14 @@ def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native
 
     from mlx_kvlingo.models.cache import prefill, read_layer
     from mlx_kvlingo.switching.api import switch_text, translate_aligned
-    from mlx_kvlingo.switching.kernel import map_early_layer as _map_early_layer
+    from mlx_kvlingo.switching.kernel import map_early_layer
 
     stok, ttok = tokenizers
     src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
     t = Translator.for_models(src, tgt, stok, ttok)
     t.spec.native_layer0 = native_layer0
     source_cache = prefill(src, mx.array(tokenize_with_offsets(stok, TEXT)[0])[None])
-    early = _map_early_layer(src, tgt, t, source_cache)
+    early = map_early_layer(src, tgt, t, source_cache)
     assert early is not None and early.layer == (1 if native_layer0 else 0)
     r = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache, native_tail=0)
     a = align_text(stok, ttok, TEXT, t.spec.native_prefix)

@@ -16,6 +16,7 @@ from typing import Iterator, List, Sequence, Tuple
 import mlx.core as mx
 
 from ..errors import KvlingoError
+from .prose import austen_documents
 
 Document = Tuple[str, str]  # (name, text)
 
@@ -112,8 +113,6 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     if spec == "stdlib":
         return stdlib_documents()
     if spec == "austen":
-        from .prose import austen_documents
-
         return austen_documents()
     if spec.startswith("hf:"):
         return _read_files(_hub_dataset_files(spec[3:]), tokenizer)

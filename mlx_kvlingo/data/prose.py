@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..errors import KvlingoError
+from ..files import default_cache_dir
 
 PACKAGE = "r-cran-janeaustenr"
 NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice",
@@ -52,8 +53,6 @@ def _rdb_bytes(cache_dir: Optional[Path]) -> bytes:
     if _INSTALLED.is_file():
         return _INSTALLED.read_bytes()
     if cache_dir is None:
-        from ..files import default_cache_dir
-
         cache_dir = default_cache_dir()
     cache_dir = Path(cache_dir) / "corpora"
     debs = sorted(cache_dir.glob(f"{PACKAGE}_*.deb"))

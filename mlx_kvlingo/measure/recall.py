@@ -28,8 +28,8 @@ import numpy as np
 
 from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
-from ..models.load import load_pair
 from ..models.cache import cache_length, copy_cache, last_logits, prefill
+from ..models.load import load_pair
 from ..switching.api import switch, switch_text
 from ..switching.recompute import merge_spans, recompute_spans, salient_spans
 from ..translator.align import tokenize_with_offsets

@@ -33,9 +33,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import blas
+from ..data.corpus import split_documents, stdlib_documents, token_stream
+from ..errors import KvlingoError
 from ..models.cache import copy_cache, prefill
-from ..models.geometry import cache_geometry
-from ..translator.maps import Translator
+from ..models.geometry import cache_geometry, max_positions, tokenizer_fingerprint
+from ..models.load import load
+from ..models.pretrained import PRETRAINED, fetch
+from ..switching.api import SwitchResult, resolve_native_tail, switch, switch_aligned, switch_text
+from ..switching.generate import first_step
+from ..translator.align import align_text, identity_alignment, tokenize_with_offsets
+from ..translator.maps import Translator, load_translator
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 
@@ -71,8 +79,6 @@ class TTFTRow:
 def environment() -> dict:
     """The machine and software a benchmark ran on."""
     import mlx_lm
-
-    from .. import blas
 
     mem = None
     try:
@@ -130,8 +136,6 @@ def _shared_context(source, stream: Sequence[int], context: int) -> _Context:
 def _text_context(source, source_tokenizer, target_tokenizer, text: str, context: int):
     """The prefix of ``text`` that the target tokenizes into ``context`` tokens (or
     as close as a cut at a token end allows), and the source's cache of it."""
-    from ..translator.align import tokenize_with_offsets
-
     ids, offsets = tokenize_with_offsets(target_tokenizer, text)
     if len(ids) < context:
         raise ValueError(f"The text has {len(ids)} target tokens, fewer than {context}.")
@@ -157,8 +161,6 @@ def _nbytes(cache) -> int:
 
 
 def _switch(source, target, translator, ctx: _Context, m: int, tokenizers):
-    from ..switching.api import switch, switch_text
-
     if ctx.text is None:
         return switch(source, target, translator, ctx.tokens, source_cache=ctx.source_cache,
                       native_tail=m)
@@ -171,8 +173,6 @@ def _timed_switch(source, target, translator, ctx, m, tokenizers):
     """(translate_s, first_step_s, bytes above what was allocated before at the
     translation's peak, the same for the first step's peak (its activations: the
     cache is allocated by then), target cache bytes, rows of each layer's buffer)."""
-    from ..switching.generate import first_step
-
     active = mx.get_active_memory()
     mx.reset_peak_memory()
     result = _switch(source, target, translator, ctx, m, tokenizers)
@@ -192,9 +192,6 @@ def timed_prefill(target, tokens: mx.array):
     prefilled cache as it was before that step): the body over all tokens but the
     last, then one bare step on the target's own cache. The copy (made outside the
     timing) lets :func:`timed_bare_step` time the same step again."""
-    from ..switching.api import SwitchResult
-    from ..switching.generate import first_step
-
     t0 = time.perf_counter()
     cache = _evaluated(prefill(target, tokens[None, :-1]))
     t1 = time.perf_counter()
@@ -207,9 +204,6 @@ def timed_prefill(target, tokens: mx.array):
 
 def timed_bare_step(target, saved, last: mx.array) -> float:
     """The bare decoding step again, on a fresh copy of the prefilled cache."""
-    from ..switching.api import SwitchResult
-    from ..switching.generate import first_step
-
     cache = copy_cache(saved)
     t0 = time.perf_counter()
     first_step(target, SwitchResult(cache, last, 0.0))
@@ -257,15 +251,6 @@ def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
     exceeds an unprofiled switch a little): aligning the text (cross-tokenizer),
     the native prefix, reading and un-rotating the source keys, the map matmuls,
     re-rotating and writing the target cache, and the first step."""
-    from ..switching.api import (
-        resolve_native_tail as _native_tail,
-    )
-    from ..switching.api import (
-        switch_aligned as _switch_aligned,
-    )
-    from ..switching.generate import first_step
-    from ..translator.align import align_text, identity_alignment
-
     t0 = time.perf_counter()
     if ctx.text is None:
         alignment = identity_alignment(ctx.tokens.tolist(), translator.spec.native_prefix)
@@ -273,9 +258,9 @@ def profile_switch(source, target, translator, ctx: _Context, m: int = 0,
         alignment = align_text(tokenizers[0], tokenizers[1], ctx.text,
                                translator.spec.native_prefix, ctx.source_tokens)
     phases = {"align_s": time.perf_counter() - t0}
-    result = _switch_aligned(source, target, translator, ctx.source_cache, alignment,
+    result = switch_aligned(source, target, translator, ctx.source_cache, alignment,
                              mx.array(alignment.target_tokens)[None],
-                             _native_tail(translator, m), time.perf_counter(), phases)
+                             resolve_native_tail(translator, m), time.perf_counter(), phases)
     t1 = time.perf_counter()
     first_step(target, result)
     phases["first_step_s"] = time.perf_counter() - t1
@@ -487,8 +472,6 @@ def plot_ttft(rows: Sequence[TTFTRow], path, title: str = ""):
 def heldout_stream(tokenizer, min_tokens: int) -> List[int]:
     """Held-out stdlib docstrings as one token stream of at least ``min_tokens``
     (the training split is appended if the held-out one is too short)."""
-    from ..data.corpus import split_documents, stdlib_documents, token_stream
-
     train, heldout = split_documents(stdlib_documents())
     stream = token_stream(tokenizer, heldout)
     if len(stream) < min_tokens:
@@ -500,8 +483,6 @@ def heldout_text(tokenizer, min_tokens: int) -> str:
     """Held-out stdlib docstrings joined into one text that ``tokenizer`` reads as at
     least ``min_tokens`` tokens (for pairs with different tokenizers)."""
     import random
-
-    from ..data.corpus import split_documents, stdlib_documents
 
     train, heldout = split_documents(stdlib_documents())
     docs = list(heldout)
@@ -521,8 +502,6 @@ DEFAULT_PAIRS = ("smollm2:smollm2", "gemma3:smollm2", "smollm2:gemma3")
 
 def _model_path(name: str, log) -> str:
     """A path as given, or a built-in pretrained name (smollm2, gemma3), fetched once."""
-    from ..models.pretrained import PRETRAINED, fetch
-
     return str(fetch(name, log=log)) if name in PRETRAINED else name
 
 
@@ -531,11 +510,6 @@ def measure_pair(source_path, target_path, translator_path, contexts, repeats, w
     """One pair's rows: models loaded (``loaded``: a dict path -> (model, tokenizer)
     shared across pairs), translator from a file or random maps of the right
     geometry, text from the held-out stdlib docstrings."""
-    from ..errors import KvlingoError
-    from ..models.geometry import max_positions, tokenizer_fingerprint
-    from ..models.load import load
-    from ..translator.maps import load_translator
-
     log = log or (lambda s: None)
     loaded = {} if loaded is None else loaded
     for path in (source_path, target_path):
@@ -622,8 +596,6 @@ def run_ttft_benchmark(
         pairs = [f"{source_path or target_path}:{target_path}"]
     pairs = list(pairs or DEFAULT_PAIRS)
     if translator_path and len(pairs) > 1:
-        from ..errors import KvlingoError
-
         raise KvlingoError("A translator file fits one pair: give --target (and --source).")
     load_before = environment()["load_average"]
     loaded, results = {}, []

@@ -17,9 +17,11 @@ from ..data.corpus import split_documents, stdlib_documents
 from ..errors import KvlingoError
 from ..files import default_cache_dir
 from ..models.geometry import cache_geometry, model_name, tokenizer_fingerprint
+from ..models.load import load
 from ..train.recipe import fit_translator
 from ..train.samples import AlignedText, SharedTokens
 from ..translator.maps import Translator, load_translator
+from .toy import ASSET_DIR, STAGE2_TRANSLATOR, ensure_toy_pair
 
 BUILTIN_NAMES = ("small", "large")
 
@@ -107,10 +109,6 @@ def builtin_session(
     benchmarks/results/builtin-pair.md); large -> small a stage-1 translator
     fitted once and cached (a 1,000-step stage 2 kept only 4 % that way, so none
     ships: builtin-pair-reverse.md). A rebuilt pair gets stage 1 both ways."""
-    from ..models.load import load
-    from ..translator.maps import load_translator
-    from .toy import ASSET_DIR, STAGE2_TRANSLATOR, ensure_toy_pair
-
     src_dir, tgt_dir = ensure_toy_pair(cache_dir, log=log)
     small, small_tok = load(src_dir)
     large, large_tok = load(tgt_dir)

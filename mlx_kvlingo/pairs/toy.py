@@ -31,6 +31,10 @@ from mlx.utils import tree_flatten
 from .. import files
 from ..data.corpus import split_documents, stdlib_documents, token_stream, token_windows
 from ..train import recipe
+from ..train.distill import DistillConfig, Distiller
+from ..train.loop import RunConfig
+from ..train.samples import SharedTokens, sample_windows
+from ..translator.maps import load_translator
 
 VOCAB_SIZE = 1024
 
@@ -182,8 +186,6 @@ def training_stream(tokenizer, copy_fraction: float = 0.5, seed: int = 0) -> Lis
 def toy_pair_data(tokenizer, corpus=None):
     """The built-in pair's training and held-out token streams, as a SharedTokens
     (``corpus``: what toy_corpus() returned, to save reading the stdlib again)."""
-    from ..train.samples import SharedTokens
-
     train, heldout = corpus or toy_corpus()
     return SharedTokens(token_stream(tokenizer, train), token_stream(tokenizer, heldout))
 
@@ -238,8 +240,6 @@ def context_benefit(model, stream, windows: int = 16, context_len: int = 256,
     ``stream`` (the first continuation token is not scored: it has no context in
     the second case). A cheap probe of whether a model looks back, for logging
     during training; benchmarks/builtin_pair.py measures the real thing."""
-    from ..train.samples import sample_windows
-
     w = sample_windows(stream, context_len + continuation_len, windows, random.Random(seed))
     scored = continuation_len - 1
 
@@ -510,9 +510,6 @@ def distill_translator(source, target, translator, pair, steps: int, lr: float =
                        batch_size: int = 4, context_len: int = 256, seed: int = 0, log=None):
     """A short stage 2 (distillation) from ``translator``, in memory; returns the
     distilled translator. Each step draws fresh training windows."""
-    from ..train.distill import DistillConfig, Distiller
-    from ..train.loop import RunConfig
-
     config = RunConfig(
         DistillConfig(steps=steps, lr=lr, batch_size=batch_size, accumulate=1, seed=seed),
         context_lengths=(context_len,),
@@ -534,8 +531,6 @@ def distill_translator(source, target, translator, pair, steps: int, lr: float =
 
 def _copy(translator):
     import tempfile
-
-    from ..translator.maps import load_translator
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "copy.safetensors"

@@ -37,8 +37,10 @@ import mlx.nn as nn
 from ..errors import KvlingoError
 from ..files import written_atomically
 from ..models.cache import cache_length, prefill, read_layer
-from ..models.geometry import model_name
+from ..models.geometry import cache_dtype, cache_geometry, model_name
+from ..translator.align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from ..translator.maps import Translator
+from .api import translate_aligned, translate_span
 
 METADATA_KEY = "mlx_kvlingo"
 _CHECK_TOKENS = 8  # leading positions re-computed to check that the prompt matches
@@ -81,8 +83,6 @@ def cache_prompt_alignment(source_tokenizer, target_tokenizer, prompt: str):
     tokenizer and chat template give: each target token of the prompt's text reads
     the source token holding its last character; template tokens are computed by
     the target (NATIVE)."""
-    from ..translator.align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
-
     def render(tok):
         ids = cache_prompt_tokens(tok, prompt)
         if getattr(tok, "has_chat_template", False):
@@ -153,8 +153,6 @@ def _check_cache_classes(path: Path):
 def _check_source_cache(source: nn.Module, cache: List, path: str):
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-    from ..models.geometry import cache_geometry
-
     g = cache_geometry(source)
     if len(cache) != g.n_layers:
         raise PromptCacheError(
@@ -205,8 +203,6 @@ def native_dtype(path_or_repo: str) -> mx.Dtype:
     """The K/V dtype mlx-lm gives a model it loads itself (no casting), read lazily."""
     from mlx_lm.utils import _download, load_model
 
-    from ..models.geometry import cache_dtype
-
     try:
         model, _ = load_model(_download(str(path_or_repo)), lazy=True)
     except Exception as e:
@@ -232,8 +228,6 @@ def convert_prompt_cache(
     the cached text (:func:`cache_prompt_alignment`); the result holds the target's
     own tokenization of it."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from .api import translate_aligned, translate_span
 
     n = cache_length(cache)
     if translator.cross_tokenizer or alignment is not None:

@@ -32,6 +32,7 @@ from ..models.features import token_inputs
 from ..translator.maps import Translator, TranslatorSpec
 from . import distributed
 from .distill import DistillConfig, Distiller, with_native_features
+from .store import FeatureStore, corpus_digest, store_key
 
 CHECKPOINT_VERSION = 1
 
@@ -126,8 +127,6 @@ def open_store(source, target, translator, pair_data, out: Path, config: RunConf
                corpus_id: str = "", group=None, progress=None):
     """The feature store of a run writing ``out`` (``OUT.store/``), keyed on what its
     shards depend on; ``translator`` gives the source layers it keeps."""
-    from .store import FeatureStore, corpus_digest, store_key
-
     key = store_key(source, target, translator, config,
                     f"{corpus_id}:{corpus_digest(pair_data)}")
     store_dir = _paths(out)["store"]

@@ -18,14 +18,7 @@ from ..models.load import load_pair
 from ..translator.maps import Translator, TranslatorSpec, load_translator
 from . import distributed
 from .distill import DistillConfig, parse_layer_ranks
-from .loop import (
-    RunConfig,
-    load_checkpoint,
-    plan_steps,
-    probe_step_cost,
-    store_fit_features,
-    train,
-)
+from .loop import RunConfig, load_checkpoint, plan_steps, probe_step_cost, store_fit_features, train
 from .recipe import fit_translator, no_progress
 from .samples import pair_data
 from .store import corpus_digest

@@ -32,6 +32,7 @@ from typing import Callable, List
 import mlx.core as mx
 
 from ..files import save_safetensors_atomic
+from ..models.geometry import cache_geometry
 from .distill import Batch
 
 STORE_VERSION = 1
@@ -185,8 +186,6 @@ class FeatureStore:
 
 def store_key(source, target, translator, config, corpus_id: str) -> dict:
     """What a store's shards depend on (the maps excluded: they are what trains)."""
-    from ..models.geometry import cache_geometry
-
     d = config.distill
     return {
         "source": translator.spec.source.name,

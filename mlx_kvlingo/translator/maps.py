@@ -29,6 +29,7 @@ from ..errors import KvlingoError, TranslatorFileError, TranslatorMismatch
 from ..files import save_safetensors_atomic
 from ..models.features import supports_native_layer0, token_input_width
 from ..models.geometry import CacheGeometry, cache_geometry, model_name, tokenizer_fingerprint
+from .hub import resolve_translator
 
 # The newest file format this version reads and writes. 2: token maps
 # (spec.token_layers). A file without token maps is written as version 1, without
@@ -337,8 +338,6 @@ def _geometry_differences(role: str, want: CacheGeometry, have: CacheGeometry):
 def load_translator(path) -> Translator:
     """Read a translator file (or a hub repo id holding one), checking its header,
     metadata, shapes and values."""
-    from .hub import resolve_translator
-
     path = resolve_translator(path)
     if not path.is_file():
         raise TranslatorFileError(f"Translator file not found: {path}")
