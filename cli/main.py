@@ -425,6 +425,10 @@ def switch_cmd(
     gate_threshold: Optional[float] = typer.Option(
         None, help="Gate threshold (nats/token over the no-context NLL; default: the "
         "translator's recorded one, else 0)."),
+    recompute: float = typer.Option(
+        0.0, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
+        "translation, on the words that look like facts (numbers, names, identifiers): "
+        "what a translated cache loses first."),
 ):
     """The source reads the prompt, its cache is translated, the target answers."""
 
@@ -455,7 +459,8 @@ def switch_cmd(
             from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
-        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge)
+        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
+                       recompute=recompute)
         if "gate" in r:
             g = r["gate"]
             typer.echo(f"--- gate: score {g['score']:+.3f} nats (threshold {g['threshold']:+.3f}) "

@@ -132,3 +132,24 @@ def test_salient_spans_keep_to_the_budget_and_lead_up_to_each_word():
     assert "parse_cfg_v2" in covered
     assert salient_spans(TEXT, offsets, budget=0) == []
     assert all(1 <= a < b <= 20 for a, b in salient_spans(TEXT, offsets, 40, lo=1, hi=20))
+
+
+def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
+    """switch_text(recompute=...) recomputes the words salient_spans picks (with an
+    exact translator nothing changes but the time); switch() without the text
+    refuses, and a share outside (0, 1] is refused."""
+    from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+    src, stok, tgt, ttok = toy_pair
+    t = identity_translator(src, stok)
+    text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
+            "Nothing else of note happened that day, and the file was closed again.")
+    plain = switch_text(src, stok, src, stok, t, text, native_tail=0)
+    fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5)
+    assert caches_close(plain.cache, fixed.cache)
+    ids = tokenize_with_offsets(stok, text)[0]
+    with pytest.raises(KvlingoError, match="needs the context's text"):
+        switch(src, src, t, ids, recompute=0.2)
+    with pytest.raises(KvlingoError, match="share of the context"):
+        switch_text(src, stok, src, stok, t, text, recompute=1.5)

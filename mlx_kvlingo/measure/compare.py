@@ -17,6 +17,7 @@ from ..models.cache import prefill
 from ..switching.api import switch, switch_text
 from ..switching.generate import generate_after_switch
 from ..switching.kernel import check_fits
+from ..switching.recompute import token_offsets
 from ..translator.align import align_text, tokenize_with_offsets
 
 
@@ -33,11 +34,12 @@ def first_token_time(responses):
 
 
 def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
-               gate=None):
+               gate=None, recompute: float = 0.0):
     """Switch a context from src to tgt and generate; optionally re-prefill too.
 
     ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
     QualityGate judging the switch (its native tail, at least ``gate.tokens``).
+    ``recompute``: the share of the context the target recomputes on fact-like words.
     Returns a dict of timings (medians over ``repeats``) and the answers.
     """
     tail = translator.spec.native_tail if gate is None else max(
@@ -49,14 +51,19 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
 
         def translate(source_cache):
             return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
-                               native_tail=tail, source_tokens=tokenized)
+                               native_tail=tail, source_tokens=tokenized, recompute=recompute)
     else:
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens
 
+        text = None
+        if recompute:  # the text the fact-like words are found in
+            text = ((context, tokenize_with_offsets(src_tok, context)[1])
+                    if isinstance(context, str) else token_offsets(src_tok, tokens))
+
         def translate(source_cache):
             return switch(src, tgt, translator, tokens, source_cache=source_cache,
-                          native_tail=tail)
+                          native_tail=tail, recompute=recompute, text=text)
 
     bos = getattr(tgt_tok, "bos_token_id", None)
     specials = target_tokens[:1] if bos is not None and target_tokens[0] == bos else []

@@ -31,7 +31,7 @@ from ..metrics import log_softmax, nll
 from ..models.cache import cache_length, copy_cache, last_logits, prefill
 from ..models.load import load_pair
 from ..switching.api import switch, switch_text
-from ..switching.recompute import merge_spans, recompute_spans, salient_spans
+from ..switching.recompute import merge_spans, recompute_spans
 from ..translator.align import tokenize_with_offsets
 from ..translator.maps import Translator
 from .bootstrap import Interval, mean_interval, paired_mean_difference
@@ -164,7 +164,7 @@ def read_source(source: nn.Module, source_tokenizer, translator: Translator, pro
 
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
                  translator: Translator, prompt: str, native_tail: Optional[int] = None,
-                 read=None) -> Tuple[List, List[int], float]:
+                 read=None, recompute: float = 0.0) -> Tuple[List, List[int], float]:
     """The switch, from what the source holds (``read``, from :func:`read_source`;
     read now, not timed, when not given): (target cache, pending tokens,
     translation time)."""
@@ -172,9 +172,10 @@ def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_
                                                       prompt)
     if translator.cross_tokenizer:
         result = switch_text(source, source_tokenizer, target, target_tokenizer, translator,
-                             prompt, source_cache, native_tail, source_tokens)
+                             prompt, source_cache, native_tail, source_tokens, recompute)
     else:
-        result = switch(source, target, translator, source_tokens[0], source_cache, native_tail)
+        result = switch(source, target, translator, source_tokens[0], source_cache, native_tail,
+                        recompute, (prompt, source_tokens[1]))
     return result.cache, result.pending.tolist(), result.translate_s
 
 
@@ -235,16 +236,13 @@ def measure_recall(
         cache, pending, s = native_state(target, ids)
         add(NATIVE, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
         read = read_source(source, source_tokenizer, translator, item.prompt)
-        choices = [(SWITCH, None)] + [
-            (recompute_setting(b), lambda end, b=b: salient_spans(
-                item.prompt, offsets, int(b * len(ids)), translator.spec.native_prefix, end))
-            for b in recompute]
+        choices = [(SWITCH, 0.0, None)] + [(recompute_setting(b), b, None) for b in recompute]
         if oracle:
-            choices.append((ORACLE, lambda end: merge_spans(
+            choices.append((ORACLE, 0.0, lambda end: merge_spans(
                 fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end)))
-        for setting, select in choices:
+        for setting, share, select in choices:
             cache, pending, s = switch_state(source, source_tokenizer, target, target_tokenizer,
-                                             translator, item.prompt, native_tail, read)
+                                             translator, item.prompt, native_tail, read, share)
             if select is not None:
                 s += recompute_spans(target, cache, ids, select(len(ids) - len(pending)))
             add(setting, score_state(target, target_tokenizer, cache, pending, answer,

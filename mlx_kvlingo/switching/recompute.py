@@ -190,3 +190,15 @@ def salient_spans(text: str, offsets: Sequence[Tuple[int, int]], budget: int, lo
         chosen += positions
         spans = trial
     return spans
+
+
+def token_offsets(tokenizer, ids: Sequence[int]) -> Tuple[str, List[Tuple[int, int]]]:
+    """(text, character offsets of each token) for token ids without their text: each
+    token's own decoding, concatenated (a character split over two byte-level tokens
+    comes out as replacement characters, which no fact-like word needs)."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append((at, at + len(p)))
+        at += len(p)
+    return "".join(pieces), offsets
