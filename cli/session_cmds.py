@@ -158,6 +158,10 @@ def register(app: typer.Typer):
         cache_dir: Optional[Path] = typer.Option(
             None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
             "or ~/.cache/mlx-kvlingo)."),
+        recompute: float = typer.Option(
+            0.0, help="Share of the translated positions (0.1 = 10%%) the reading model "
+            "recomputes itself, on the words that look like facts (numbers, names, "
+            "identifiers): what a translated cache loses first."),
     ):
         """Chat with two or more models, switching with /switch NAME: each model
         translates what the others wrote instead of re-reading it."""
@@ -165,7 +169,7 @@ def register(app: typer.Typer):
 
         def go():
             session = build_session(model or [], translator or [], fit_missing, fit_tokens,
-                                    cache_dir, system, log=typer.echo)
+                                    cache_dir, system, log=typer.echo, recompute=recompute)
             start = first or session.model_names[0]
             if start not in session.model_names:
                 raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")

@@ -153,3 +153,21 @@ def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
         switch(src, src, t, ids, recompute=0.2)
     with pytest.raises(KvlingoError, match="share of the context"):
         switch_text(src, stok, src, stok, t, text, recompute=1.5)
+
+
+def test_recomputing_in_a_wrapped_sliding_window_changes_nothing():
+    """A conversation's cache after decoding steps: its sliding-window layers have
+    wrapped around their buffer. Recomputing recent positions of a native cache still
+    reads and writes the right rows (the result equals the untouched cache)."""
+    from mlx_kvlingo.models.cache import copy_cache, prefill
+
+    m = tiny_model("gemma3_text", sliding_window=16)
+    ids = tokens(24, seed=4)
+    cache = prefill(m, mx.array(ids[:12]))
+    for t in ids[12:]:  # one token at a time: the rotating buffers wrap
+        m(mx.array([[t]]), cache=cache)
+    assert any(getattr(c, "_idx", 0) < c.keys.shape[2] for c in cache)  # wrapped
+    expected = copy_cache(cache)
+    # The buffer holds positions 8..23, so only position 23 has its whole window held.
+    recompute_spans(m, cache, ids, [(23, 24)])
+    assert caches_close(cache, expected)

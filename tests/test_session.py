@@ -334,3 +334,20 @@ def test_an_answer_interrupted_between_two_layers_leaves_a_readable_cache(target
     r2 = s.generate("a", QUESTIONS[2], max_tokens=4)
     start = r2.context_tokens
     assert s.tokens[start:] == native_greedy(m, tok, s.tokens[:start], 4)
+
+
+def test_recomputing_fact_like_words_after_an_exact_catch_up_changes_nothing(target):
+    """Session(recompute=...): after a catch-up translates, the reader recomputes
+    the fact-like words among the translated positions itself; with an exact
+    translator its answers are those of a session without it, and the report
+    counts the positions it recomputed."""
+    m, tok = target
+    turns = [("a", "The locker code is 58213 and the helper is parse_cfg_v2."),
+             ("b", "Which code was it?"), ("a", "And the helper?")]
+    answers = {}
+    for share in (0.0, 0.3):
+        s = twin_session(m, tok, recompute=share)
+        answers[share] = [s.generate(name, text, max_tokens=6).text for name, text in turns]
+        recomputed = [r.recomputed for r in s.reports]
+    assert answers[0.3] == answers[0.0]
+    assert recomputed[1] > 0 and recomputed[0] == 0  # the first turn translated nothing

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
 from ..switching.api import translate_aligned, translate_span
+from ..switching.recompute import recompute_spans, salient_spans, token_offsets
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
 from .turns import TurnReport
@@ -41,11 +42,14 @@ def catch_up_gated(session, name: str, end: int, report: TurnReport):
     g = min(g, m)
     if m < 1 or not pending:
         catch_up(session, name, end, report)
+        if report.translated:
+            recompute_facts(session, name, start, end, report)
         return
     catch_up(session, name, end - m, report)
     if not report.translated:
         catch_up(session, name, end, report)
         return
+    recompute_facts(session, name, start, end - m, report)
     report.native_tail = m
     if g < 2:  # no gate (a 1-token gate cannot score): the whole tail is prefilled
         g = 0
@@ -196,3 +200,18 @@ def restore(session, name: str, length: int):
         view.translated[name] = 0
         catch_up(session, name, length, TurnReport(-1, name))
     view.processed[name] = length
+
+
+def recompute_facts(session, name: str, lo: int, hi: int, report: TurnReport):
+    """After a catch-up translated positions lo..hi-1: the model recomputes the
+    fact-like words among them itself, up to ``session.recompute`` of them."""
+    if not session.recompute or hi - lo < 2:
+        return
+    t0 = time.perf_counter()
+    entry, view = session.entry(name), session.transcript_of(name)
+    text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
+    spans = [(a + lo, b + lo) for a, b in salient_spans(
+        text, offsets, int(session.recompute * (hi - lo)), lo=1 if lo == 0 else 0)]
+    recompute_spans(entry.model, entry.cache, view.tokens, spans)
+    report.recomputed += sum(b - a for a, b in spans)
+    report.translate_s += time.perf_counter() - t0

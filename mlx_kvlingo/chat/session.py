@@ -88,6 +88,9 @@ class Session:
     ``gate``: a :class:`~mlx_kvlingo.chat.gate.QualityGate` that judges every turn
     that starts on translated positions and re-prefills when it predicts a bad
     translation (None: no gate).
+    ``recompute``: after a catch-up translates, the model recomputes the words that
+    look like facts (numbers, names, identifiers) among the translated positions
+    itself, up to this share of them (0.1 = 10 %): what a translated cache loses first.
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;
@@ -108,6 +111,7 @@ class Session:
         system_prompt: Optional[str] = None,
         chat_template: Optional[bool] = None,
         gate=None,
+        recompute: float = 0.0,
     ):
         self._models: Dict[str, _Entry] = {}
         self._translators: Dict[Tuple[str, str], Translator] = {}
@@ -118,6 +122,7 @@ class Session:
         self._use_template = chat_template
         self.system_prompt = system_prompt
         self.gate = gate
+        self.recompute = recompute
         self.messages: List[Message] = []
         self._message_pieces: List[int] = []  # per message: its text piece id
         self._next_piece = 0
@@ -164,7 +169,7 @@ class Session:
         """A new, empty conversation with this session's models, translators and
         settings (nothing loaded or checked again: cheap)."""
         s = Session(system_prompt=self.system_prompt, chat_template=self._use_template,
-                    gate=self.gate)
+                    gate=self.gate, recompute=self.recompute)
         for fp, v in self._views.items():
             s._views[fp] = Transcript(v.tokenizer, self._use_template)
         for name, e in self._models.items():

@@ -33,6 +33,7 @@ class TurnReport:
     gate: Optional[dict] = None  # the quality gate's numbers and decision (gate.py)
     fallback: Optional[str] = None  # why translated positions were recomputed natively
     native_tail: int = 0  # last catch-up positions computed natively over the translation
+    recomputed: int = 0  # translated positions recomputed natively (fact-like words)
 
     def to_dict(self) -> dict:
         return asdict(self)

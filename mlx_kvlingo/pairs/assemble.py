@@ -53,21 +53,22 @@ def match_translator(translator, session, path: str):
 
 def build_session(models: Sequence[str], translators: Sequence[str] = (), fit_missing: bool = True,
                   fit_tokens: int = 10_000, cache_dir=None, system: Optional[str] = None,
-                  log: Callable[[str], None] = print) -> Session:
+                  log: Callable[[str], None] = print, recompute: float = 0.0) -> Session:
     """A Session over the models named ``NAME=PATH`` (or ``PATH``), with the
     translators given as ``SOURCE:TARGET=FILE`` (or ``FILE``, matched to the models
     it fits), the shipped ones between models named by their short names, and, with
     ``fit_missing``, a stage-1 translator fitted on the spot for every other
-    direction. No models: the built-in pair."""
+    direction. No models: the built-in pair. ``recompute``: see :class:`Session`."""
     if not models:
         if translators:
             raise KvlingoError("--translator needs --model (the built-in pair brings its own).")
         log("No --model given: using the built-in pair (small = qwen3, large = llama).")
-        return builtin_session(cache_dir, fit_tokens, log=log, system_prompt=system)
+        return builtin_session(cache_dir, fit_tokens, log=log, system_prompt=system,
+                               recompute=recompute)
     paths = parse_models(models)
     if len(paths) < 2:
         raise KvlingoError("Give at least two --model options (or none for the built-in pair).")
-    session = Session(system_prompt=system)
+    session = Session(system_prompt=system, recompute=recompute)
     for name, path in paths.items():
         log(f"Loading {name} from {path} ...")
         model, tokenizer = load(path)

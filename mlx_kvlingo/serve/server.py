@@ -466,6 +466,7 @@ class ServeOptions:
     max_conversations: int = 32
     max_cache_mb: int = 4096
     cache_dir: Optional[Path] = None
+    recompute: float = 0.0  # share of translated positions recomputed (fact-like words)
 
 
 def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServer:
@@ -476,7 +477,8 @@ def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServ
             f"Refusing to serve on {options.host} without an API key; give --api-key (or "
             f"${API_KEY_ENV}), or --allow-insecure-bind.")
     base = build_session(options.models, options.translators, options.fit_missing,
-                         options.fit_tokens, options.cache_dir, None, log=log)
+                         options.fit_tokens, options.cache_dir, None, log=log,
+                         recompute=options.recompute)
     if options.gate:
         base.gate = QualityGate(threshold=options.gate_threshold)
     names = base.model_names

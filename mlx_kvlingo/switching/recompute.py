@@ -24,7 +24,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import KvlingoError
-from ..models.cache import read_layer
 
 Span = Tuple[int, int]
 
@@ -56,15 +55,34 @@ class _SpanView:
         return allowed
 
 
+def _rotating_rows(c, lo: int, hi: int) -> List[Tuple[int, int, int]]:
+    """(position, buffer row, count) runs holding positions lo..hi-1 of a rotating
+    layer cache, at most two (where the buffer wraps around). Position p sits at row
+    (_idx - offset + p) mod rows, whether or not the buffer has wrapped yet."""
+    rows = c.keys.shape[2]
+    runs, p = [], lo
+    while p < hi:
+        row = (c._idx - c.offset + p) % rows
+        n = min(hi - p, rows - row)
+        runs.append((p, row, n))
+        p += n
+    return runs
+
+
 def _held_before(c, start: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
     """Keys and values of the positions up to ``start`` that layer cache ``c`` holds,
     as a contiguous run ending at start - 1 (a sliding window's worth at most)."""
     if isinstance(c, RotatingKVCache):
-        k, v, first = read_layer(c)
-        if k is None or first >= start:
+        if c.keys is None:
             return None, None
+        first = c.offset - min(c.offset, c.keys.shape[2], c.max_size)
         lo = max(first, start - c.max_size + 1)
-        return k[..., lo - first : start - first, :], v[..., lo - first : start - first, :]
+        if lo >= start:
+            return None, None
+        runs = _rotating_rows(c, lo, start)
+        k = [c.keys[..., r : r + n, :] for _, r, n in runs]
+        v = [c.values[..., r : r + n, :] for _, r, n in runs]
+        return mx.concatenate(k, axis=2), mx.concatenate(v, axis=2)
     if isinstance(c, KVCache):
         if c.keys is None or start == 0:
             return None, None
@@ -77,19 +95,16 @@ def _write_span(c, keys: mx.array, values: mx.array, start: int):
     hold, before a sliding window, are skipped)."""
     n = keys.shape[2]
     if isinstance(c, RotatingKVCache):
-        _, _, first = read_layer(c)
-        if c._idx not in (c.keys.shape[2], c.offset):  # wrapped around: not in order
-            raise KvlingoError("Recompute needs a sliding-window cache in temporal order "
-                               "(as a switch leaves it, before any decoding step).")
+        first = c.offset - min(c.offset, c.keys.shape[2], c.max_size)
         lo = max(start, first)
-        if lo >= start + n:
-            return
-        keys, values, start = keys[..., lo - start :, :], values[..., lo - start :, :], lo
-        row = start - first
-    else:
-        row = start
-    c.keys[..., row : row + keys.shape[2], :] = keys.astype(c.keys.dtype)
-    c.values[..., row : row + values.shape[2], :] = values.astype(c.values.dtype)
+        for p, row, m in _rotating_rows(c, lo, start + n):
+            c.keys[..., row : row + m, :] = keys[..., p - start : p - start + m, :].astype(
+                c.keys.dtype)
+            c.values[..., row : row + m, :] = values[..., p - start : p - start + m, :].astype(
+                c.values.dtype)
+        return
+    c.keys[..., start : start + n, :] = keys.astype(c.keys.dtype)
+    c.values[..., start : start + n, :] = values.astype(c.values.dtype)
 
 
 def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
