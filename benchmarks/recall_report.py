@@ -61,6 +61,17 @@ def page(runs) -> str:
         for s in settings:
             by = run["summary"][s]["by_kind"]
             out.append(f"| {s} | " + " | ".join(f"{by.get(k, 0):.2f}" for k in kinds) + " |")
+        bins = [(0.0, 0.15, "first 15 %"), (0.15, 0.4, "15-40 %"), (0.4, 1.0, "past 40 %")]
+        out += ["", "| exact match by the fact's depth | " + " | ".join(
+            f"{name} ({sum(lo <= i['depth'] < hi for i in run['items'])} items)"
+            for lo, hi, name in bins) + " |", "|---|" + "---|" * len(bins)]
+        for s in settings:
+            cells = []
+            for lo, hi, _ in bins:
+                hits = [x["exact"] for i, x in zip(run["items"], run["scores"][s])
+                        if lo <= i["depth"] < hi]
+                cells.append(f"{sum(hits) / max(len(hits), 1):.2f}")
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
         env = run.get("environment", {})
         out += ["", f"Machine: {env.get('platform')}, {env.get('cpu')}, {env.get('cpu_count')} "
                 f"cores, MLX {env.get('mlx')}, {env.get('blas')}; load average when it ended "
