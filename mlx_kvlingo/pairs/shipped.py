@@ -20,7 +20,12 @@ ASSETS = files.ASSETS / "translators"
 SHIPPED = {
     ("smollm2", "gemma3"): "smollm2-to-gemma3.safetensors",
     ("gemma3", "smollm2"): "gemma3-to-smollm2.safetensors",
+    # Stage 1 only (closed form; benchmarks/ship_qwen.py remakes them).
+    ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"): "qwen2.5-coder-0.5b-to-1.5b.safetensors",
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"): "qwen2.5-coder-1.5b-to-0.5b.safetensors",
 }
+# Pairs whose gate threshold below was calibrated (others keep the gate's default).
+GATE_CALIBRATED = {("smollm2", "gemma3"), ("gemma3", "smollm2")}
 
 
 def shipped_translator(source: str, target: str) -> Optional[Path]:
@@ -48,8 +53,9 @@ def load_shipped(source: str, target: str):
     if path is None:
         return None
     t = load_translator(path)
-    t.spec.training.setdefault("gate", {"threshold": GATE_THRESHOLD,
-                                        "calibration": GATE_CALIBRATION})
+    if (str(source), str(target)) in GATE_CALIBRATED:
+        t.spec.training.setdefault("gate", {"threshold": GATE_THRESHOLD,
+                                            "calibration": GATE_CALIBRATION})
     return t
 
 
