@@ -20,9 +20,6 @@ ASSETS = files.ASSETS / "translators"
 SHIPPED = {
     ("smollm2", "gemma3"): "smollm2-to-gemma3.safetensors",
     ("gemma3", "smollm2"): "gemma3-to-smollm2.safetensors",
-    # Stage 1 only (closed form; benchmarks/ship_qwen.py remakes them).
-    ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"): "qwen2.5-coder-0.5b-to-1.5b.safetensors",
-    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"): "qwen2.5-coder-1.5b-to-0.5b.safetensors",
 }
 # Pairs whose gate threshold below was calibrated (others keep the gate's default).
 GATE_CALIBRATED = {("smollm2", "gemma3"), ("gemma3", "smollm2")}
