@@ -1,0 +1,84 @@
+"""Time to first token of a switch with and without recomputing fact-like words,
+against a re-prefill of the target, interleaved in one process (the shipped
+SmolLM2 <-> Gemma 3 translators, their 16-token native tail, Austen text).
+
+    python benchmarks/switch_cost_recompute.py [--tokens 550,2048] [--recompute 0.1] \
+        [--rounds 3] [--json benchmarks/results/switch-cost-recompute.json] [--note "..."]
+
+Run it on an idle machine with one BLAS thread: the ratios are what it is for.
+"""
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from switch_cost_shipped import austen_text  # this folder's: the same text
+
+from mlx_kvlingo.measure.ttft import environment
+from mlx_kvlingo.models.cache import last_logits, prefill
+from mlx_kvlingo.models.load import load_pair
+from mlx_kvlingo.pairs.shipped import load_shipped
+from mlx_kvlingo.switching.api import switch_text
+from mlx_kvlingo.switching.generate import first_step
+from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+
+def time_direction(source, target, lengths, shares, rounds):
+    src, stok, tgt, ttok = load_pair(source, target)
+    translator = load_shipped(source, target)
+    out = {}
+    for n in lengths:
+        text = austen_text(ttok, n)
+        source_tokens = tokenize_with_offsets(stok, text)
+        cache = prefill(src, mx.array(source_tokens[0])[None])
+        mx.eval([(c.keys, c.values) for c in cache])
+        ids = mx.array(tokenize_with_offsets(ttok, text)[0])[None]
+
+        def switched(share):
+            res = switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
+                              native_tail=16, source_tokens=source_tokens, recompute=share)
+            first_step(tgt, res)
+
+        def reprefill():
+            c = prefill(tgt, ids[:, :-1])
+            mx.eval(last_logits(tgt, ids[:, -1:], c))
+
+        runs = {"switch": lambda: switched(0.0), "re-prefill": reprefill}
+        runs.update({f"switch + recompute {s:.0%}": (lambda s=s: switched(s)) for s in shares})
+        times = {name: [] for name in runs}
+        for r in range(rounds + 1):  # round 0 warms up
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(v) for name, v in times.items()}
+        out[n] = {"tokens": ids.shape[1], "median_s": med,
+                  "over_reprefill": {k: v / med["re-prefill"] for k, v in med.items()}}
+        print(json.dumps({f"{source}->{target} {n}": out[n]}), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="550,2048")
+    ap.add_argument("--recompute", default="0.1")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--note", default="", help="Conditions of the run, kept in the JSON.")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.tokens.split(",")]
+    shares = [float(x) for x in args.recompute.split(",") if x]
+    out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds)
+           for s, t in [("smollm2", "gemma3"), ("gemma3", "smollm2")]}
+    out.update(conditions=args.note, environment=environment())
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
