@@ -11,12 +11,10 @@ import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
-from switch_cost_shipped import austen_text  # this folder's: the same text
+from switch_cost_shipped import austen_text, interleaved_medians  # this folder's
 
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.cache import last_logits, prefill
@@ -49,14 +47,7 @@ def time_direction(source, target, lengths, shares, rounds):
 
         runs = {"switch": lambda: switched(0.0), "re-prefill": reprefill}
         runs.update({f"switch + recompute {s:.0%}": (lambda s=s: switched(s)) for s in shares})
-        times = {name: [] for name in runs}
-        for r in range(rounds + 1):  # round 0 warms up
-            for name, run in runs.items():
-                t0 = time.perf_counter()
-                run()
-                if r:
-                    times[name].append(time.perf_counter() - t0)
-        med = {name: statistics.median(v) for name, v in times.items()}
+        med = interleaved_medians(runs, rounds)
         out[n] = {"tokens": ids.shape[1], "median_s": med,
                   "over_reprefill": {k: v / med["re-prefill"] for k, v in med.items()}}
         print(json.dumps({f"{source}->{target} {n}": out[n]}), flush=True)

@@ -35,6 +35,20 @@ def austen_text(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(tokenizer.encode(text[:n_tokens * 8])[:n_tokens])
 
 
+def interleaved_medians(runs: dict, rounds: int) -> dict:
+    """Median seconds of each of ``runs`` (name -> callable), the runs interleaved
+    round by round so that a change in the machine's load hits all alike; an extra
+    first round warms up and is not counted."""
+    times = {name: [] for name in runs}
+    for r in range(rounds + 1):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def time_direction(source: str, target: str, old: Path, tokens: int, rounds: int) -> dict:
     src, stok, tgt, ttok = load_pair(source, target)
     text = austen_text(ttok, tokens)
@@ -57,14 +71,7 @@ def time_direction(source: str, target: str, old: Path, tokens: int, rounds: int
 
     runs = {**{name: (lambda tr=tr: switch(tr)) for name, tr in translators.items()},
             "re-prefill": reprefill}
-    times = {name: [] for name in runs}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            if r:
-                times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(v) for name, v in times.items()}
+    med = interleaved_medians(runs, rounds)
     out = {"tokens": tokens, "rounds": rounds, "median_s": med,
            "reprefill_over_switch": med["re-prefill"] / med["shipped now"]}
     if "previous" in med:

@@ -37,6 +37,8 @@ def test_items_hold_the_fact_at_its_depth_and_the_cue_never_says_the_answer():
         assert item.context.count(item.answer.strip()) == 1
         assert words(item.prompt) <= 300
         at = item.context.index(item.answer.strip())
+        start, end = item.fact
+        assert start <= at < end and item.context[end - 1] == "."  # the value, in its sentence
         assert abs(at / len(item.context) - item.depth) < 0.3
     # Deterministic in the seed; another seed gives other values.
     assert recall_items(FILLER, 24, 300, words, seed=3) == items

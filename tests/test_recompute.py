@@ -135,10 +135,12 @@ def test_salient_spans_keep_to_the_budget_and_lead_up_to_each_word():
 
 
 def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
-    """switch_text(recompute=...) recomputes the words salient_spans picks (with an
-    exact translator nothing changes but the time); switch() without the text
-    refuses, and a share outside (0, 1] is refused."""
+    """switch_text(recompute=...) recomputes the words salient_spans picks: with an
+    exact translator nothing changes; with one that carries nothing, the rows of
+    the chosen words (and only those) become the target's own. switch() without the
+    text refuses, and a share outside (0, 1] is refused."""
     from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.switching.recompute import salient_spans
     from mlx_kvlingo.translator.align import tokenize_with_offsets
 
     src, stok, tgt, ttok = toy_pair
@@ -148,6 +150,21 @@ def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
     plain = switch_text(src, stok, src, stok, t, text, native_tail=0)
     fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5)
     assert caches_close(plain.cache, fixed.cache)
+
+    zero = identity_translator(src, stok, scale=0.0)
+    broken = switch_text(src, stok, src, stok, zero, text, native_tail=0)
+    repaired = switch_text(src, stok, src, stok, zero, text, native_tail=0, recompute=0.5)
+    ids, offsets = tokenize_with_offsets(stok, text)
+    spans = salient_spans(text, offsets, int(0.5 * len(ids)), 1, len(ids) - 1)
+    assert spans
+    chosen = [p for a, b in spans for p in range(a, b)]
+    others = [p for p in range(1, len(ids) - 1) if p not in chosen]
+    # Layer 0's keys depend on nothing before them: recomputed rows are the
+    # target's own exactly; the others keep the broken translation (zeros).
+    k_fixed, k_native, k_broken = (read_layer(c.cache[0])[0] for c in (repaired, plain, broken))
+    assert mx.abs(k_fixed[:, :, chosen] - k_native[:, :, chosen]).max().item() < 1e-4
+    assert mx.abs(k_fixed[:, :, others] - k_broken[:, :, others]).max().item() < 1e-6
+    assert mx.abs(k_native[:, :, chosen]).max().item() > 0.1
     ids = tokenize_with_offsets(stok, text)[0]
     with pytest.raises(KvlingoError, match="needs the context's text"):
         switch(src, src, t, ids, recompute=0.2)

@@ -35,15 +35,20 @@ class RecallItem:
     cue: str
     answer: str
     kind: str
-    depth: float  # where the fact starts, as a fraction of the context's characters
+    fact: Tuple[int, int]  # the fact sentence's characters in the context
     template: int  # which phrasing of its kind
 
     @property
     def prompt(self) -> str:
         return self.context + self.cue
 
+    @property
+    def depth(self) -> float:
+        """Where the fact starts, as a fraction of the context's characters."""
+        return self.fact[0] / len(self.context)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), depth=self.depth)
 
 
 # ---------------------------------------------------------------------------
@@ -166,7 +171,7 @@ def recall_items(
         while count_tokens(context + cue) > context_tokens and len(context) > at + len(fact) + 200:
             cut = context.rstrip().rfind(" ", 0, len(context) - 40)
             context = context[:cut].rstrip() + "\n\n"
-        items.append(RecallItem(context, cue, answer, kind, at / len(context), template))
+        items.append(RecallItem(context, cue, answer, kind, (at, at + len(fact)), template))
     return items
 
 

@@ -194,11 +194,7 @@ def equal_time_tokens(times: Dict[int, float], target_s: float) -> int:
 def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List[int]:
     """Target positions of the item's fact sentence: where the item put it, which a
     real switch cannot know (the oracle a selection is measured against)."""
-    value = item.answer.strip()
-    at = item.context.index(value)
-    start = max(item.context.rfind(". ", 0, at) + 2, item.context.rfind("\n", 0, at) + 1, 0)
-    end = item.context.find(".", at + len(value))
-    end = len(item.context) if end < 0 else end + 1
+    start, end = item.fact
     return [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
 
 

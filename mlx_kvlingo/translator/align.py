@@ -143,7 +143,7 @@ def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int
         source_tokens = tokenize_with_offsets(source_tokenizer, text)
     s_ids, s_off = source_tokens
     t_ids, t_off = tokenize_with_offsets(target_tokenizer, text)
-    return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix), list(t_off))
+    return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix), t_off)
 
 
 def identity_alignment(tokens: Sequence[int], native_prefix: int = 1) -> Alignment:
