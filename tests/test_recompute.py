@@ -60,6 +60,32 @@ def test_recomputing_every_position_makes_a_broken_translation_native(arch):
     assert mx.abs(got - want).max().item() < 1e-3
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_spans_recomputed_in_one_pass_equal_one_after_the_other(arch):
+    """On a translation that carries little (scaled maps), every span sees the
+    translated rows before it and the earlier spans' recomputed ones: one call with
+    three spans (one batched pass) gives the cache of three calls in order."""
+    m = model(arch)
+    ids = tokens(30, seed=5)
+    spans = [(2, 5), (9, 16), (20, 22)]
+    together = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
+    in_turn = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
+    untouched = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
+    recompute_spans(m, together, ids, spans)
+    for span in spans:
+        recompute_spans(m, in_turn, ids, [span])
+    assert caches_close(together, in_turn)
+    assert not caches_close(together, untouched)
+
+
+def test_overlapping_spans_are_refused():
+    m = tiny_model("llama")
+    ids = tokens(12)
+    result = switch(m, m, identity_translator(m), ids, native_tail=0)
+    with pytest.raises(KvlingoError, match="overlap"):
+        recompute_spans(m, result.cache, ids, [(2, 6), (5, 8)])
+
+
 def test_spans_are_checked():
     m = tiny_model("llama")
     ids = tokens(12)

@@ -4,14 +4,15 @@ A translated cache keeps the gist of a context but loses exact facts: the
 question's queries no longer find a fact's tokens through their translated keys.
 Giving the target's own K/V to the few tokens that carry a fact brings the recall
 back. Their own K/V depend on everything before them, so each selected *span* of
-positions a..b-1 is run through the target once, its queries attending to the
-cache before a (translated, or recomputed by an earlier span) and to the span
-itself, in order; its new K/V replace the translated ones. A span costs about
-(b - a) / T of a re-prefill of T tokens, plus one pass's fixed overhead.
+positions a..b-1 is recomputed with its queries attending to the cache before a
+(translated, or recomputed by an earlier span) and to the span itself; its new K/V
+replace the translated ones. All spans go through the target in one pass, as one
+batch: n recomputed positions of a T-token context cost about n / T of a
+re-prefill, plus one pass's fixed overhead.
 
 Sliding-window layers attend to the positions before a that the translated cache
 still holds (a switch keeps only a window's worth); a span older than that sees
-only itself in those layers.
+only itself, and the recomputed positions within its window, in those layers.
 """
 
 import bisect
@@ -28,31 +29,76 @@ from ..errors import KvlingoError
 Span = Tuple[int, int]
 
 
-class _SpanView:
-    """A layer cache as the target's layers see it while one span is recomputed:
-    the keys held before the span, then the span's own. Nothing is written to the
-    real cache here; the span's keys and values are kept for the caller."""
+class _PassView:
+    """One layer cache as the target's layers see it during the single pass that
+    recomputes every selected position at once.
 
-    def __init__(self, keys: Optional[mx.array], values: Optional[mx.array], start: int):
-        self.prefix_keys, self.prefix_values = keys, values
-        self.offset = start  # the span's first position: the model ropes from here
-        self.keys = self.values = None
+    The spans are the pass's batch rows (padded to the longest), each roped from its
+    own first position (``offset``, one per row). The layer's keys and values are
+    laid out by position, 0..end-1 (a sliding-window layer's unheld positions are
+    zeros and masked); the pass's new rows are written over their positions before
+    the attention, and every query attends to the positions up to its own. So a
+    selected position sees the translated rows before it and the recomputed ones
+    (at the same layer, from this very pass), exactly what recomputing the spans
+    one after the other gives, in one pass over the weights."""
+
+    def __init__(self, keys: mx.array, values: mx.array, held: mx.array, batch: "_Batch"):
+        self.keys, self.values = keys, values  # [1, H, end, D], by position
+        self.held = held  # [end] bool: positions this layer has rows for
+        self.batch = batch
+        self.offset = batch.starts
+        self.new_keys = self.new_values = None  # [1, H, n, D] at batch.positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys, values
-        if self.prefix_keys is None:
-            return keys, values
-        return (mx.concatenate([self.prefix_keys, keys], axis=2),
-                mx.concatenate([self.prefix_values, values], axis=2))
+        self.new_keys = self.batch.selected(keys)
+        self.new_values = self.batch.selected(values)
+        k, v = self.keys, self.values
+        k[:, :, self.batch.positions] = self.new_keys.astype(k.dtype)
+        v[:, :, self.batch.positions] = self.new_values.astype(v.dtype)
+        shape = (keys.shape[0],) + k.shape[1:]
+        return mx.broadcast_to(k, shape), mx.broadcast_to(v, shape)
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
-        held = 0 if self.prefix_keys is None else self.prefix_keys.shape[2]
-        queries = mx.arange(self.offset, self.offset + N)[:, None]
-        keys = mx.arange(self.offset - held, self.offset + N)[None]
-        allowed = keys <= queries
+        end = self.keys.shape[2]
+        query = self.batch.query_positions[:, None, :, None]  # [B, 1, L, 1]
+        key = mx.arange(end)[None, None, None, :]
+        visible = self.held | self.batch.selected_mask
+        allowed = (key <= query) & visible[None, None, None, :]
         if window_size is not None:
-            allowed = allowed & (queries - keys < window_size)
+            allowed = allowed & (query - key < window_size)
         return allowed
+
+
+class _Batch:
+    """The selected spans as one padded batch: row i holds span i's tokens."""
+
+    def __init__(self, tokens: Sequence[int], spans: Sequence[Span], end: int):
+        width = max(b - a for a, b in spans)
+        rows, query, flat = [], [], []
+        for i, (a, b) in enumerate(spans):
+            n = b - a
+            rows.append(list(tokens[a:b]) + [tokens[b - 1]] * (width - n))
+            # Padding rows ask as the span's last position (a mask with something
+            # in it); their keys and values are dropped.
+            query.append(list(range(a, b)) + [b - 1] * (width - n))
+            flat += [i * width + t for t in range(n)]
+        self.tokens = mx.array(rows)
+        self.starts = mx.array([a for a, _ in spans])
+        self.query_positions = mx.array(query)
+        self.flat = mx.array(flat)  # the real (row, column) cells, flattened
+        positions = [p for a, b in spans for p in range(a, b)]
+        self.positions = mx.array(positions)
+        selected = [False] * end
+        for p in positions:
+            selected[p] = True
+        self.selected_mask = mx.array(selected)
+
+    def selected(self, x: mx.array) -> mx.array:
+        """[B, H, L, D] per-cell rows -> [1, H, n, D] of the real cells, in position
+        order."""
+        B, H, L, D = x.shape
+        cells = x.transpose(1, 0, 2, 3).reshape(H, B * L, D)
+        return cells[:, self.flat][None]
 
 
 def _rotating_rows(c, lo: int, hi: int) -> List[Tuple[int, int, int]]:
@@ -69,60 +115,75 @@ def _rotating_rows(c, lo: int, hi: int) -> List[Tuple[int, int, int]]:
     return runs
 
 
-def _held_before(c, start: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
-    """Keys and values of the positions up to ``start`` that layer cache ``c`` holds,
-    as a contiguous run ending at start - 1 (a sliding window's worth at most)."""
+def _first_held(c, end: int) -> int:
+    """The oldest position layer cache ``c`` holds (0 but for a sliding window)."""
     if isinstance(c, RotatingKVCache):
-        if c.keys is None:
-            return None, None
-        first = c.offset - min(c.offset, c.keys.shape[2], c.max_size)
-        lo = max(first, start - c.max_size + 1)
-        if lo >= start:
-            return None, None
-        runs = _rotating_rows(c, lo, start)
-        k = [c.keys[..., r : r + n, :] for _, r, n in runs]
-        v = [c.values[..., r : r + n, :] for _, r, n in runs]
-        return mx.concatenate(k, axis=2), mx.concatenate(v, axis=2)
+        return end - min(end, c.keys.shape[2], c.max_size)
     if isinstance(c, KVCache):
-        if c.keys is None or start == 0:
-            return None, None
-        return c.keys[..., :start, :], c.values[..., :start, :]
+        return 0
     raise KvlingoError(f"Cannot recompute positions in a {type(c).__name__}.")
 
 
-def _write_span(c, keys: mx.array, values: mx.array, start: int):
-    """Replace the rows of positions start.. in layer cache ``c`` (rows it does not
-    hold, before a sliding window, are skipped)."""
-    n = keys.shape[2]
+def _by_position(c, end: int) -> Tuple[mx.array, mx.array, mx.array]:
+    """Layer cache ``c``'s keys and values of positions 0..end-1 in position order
+    (positions it does not hold: zeros), and which positions it holds."""
+    first = _first_held(c, end)
     if isinstance(c, RotatingKVCache):
-        first = c.offset - min(c.offset, c.keys.shape[2], c.max_size)
-        lo = max(start, first)
-        for p, row, m in _rotating_rows(c, lo, start + n):
-            c.keys[..., row : row + m, :] = keys[..., p - start : p - start + m, :].astype(
-                c.keys.dtype)
-            c.values[..., row : row + m, :] = values[..., p - start : p - start + m, :].astype(
-                c.values.dtype)
+        runs = _rotating_rows(c, first, end)
+        k = [c.keys[..., r: r + n, :] for _, r, n in runs]
+        v = [c.values[..., r: r + n, :] for _, r, n in runs]
+        if first:
+            B, H, _, D = c.keys.shape
+            k.insert(0, mx.zeros((B, H, first, D), c.keys.dtype))
+            v.insert(0, mx.zeros((B, H, first, c.values.shape[-1]), c.values.dtype))
+        keys, values = mx.concatenate(k, axis=2), mx.concatenate(v, axis=2)
+    else:
+        keys, values = c.keys[..., :end, :], c.values[..., :end, :]
+    return keys, values, mx.arange(end) >= first
+
+
+def _write_rows(c, keys: mx.array, values: mx.array, positions: Sequence[int], end: int):
+    """Write new rows (in ``positions`` order) into layer cache ``c``, skipping the
+    positions it does not hold (before a sliding window)."""
+    first = _first_held(c, end)
+    keep = [i for i, p in enumerate(positions) if p >= first]
+    if not keep:
         return
-    c.keys[..., start : start + n, :] = keys.astype(c.keys.dtype)
-    c.values[..., start : start + n, :] = values.astype(c.values.dtype)
+    if isinstance(c, RotatingKVCache):
+        rows = c.keys.shape[2]
+        where = [(c._idx - c.offset + positions[i]) % rows for i in keep]
+    else:
+        where = [positions[i] for i in keep]
+    take, where = mx.array(keep), mx.array(where)
+    c.keys[..., where, :] = keys[..., take, :].astype(c.keys.dtype)
+    c.values[..., where, :] = values[..., take, :].astype(c.values.dtype)
 
 
 def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
                     spans: Sequence[Span]) -> float:
     """Recompute the positions of each span [a, b) of ``cache`` (which holds
-    ``tokens[:T]``, T >= every b) natively, in order. Returns the seconds taken."""
+    ``tokens[:T]``, T >= every b) natively, as if span after span in position order:
+    each attends to the cache before it, earlier spans already recomputed, and to
+    itself. All spans go through the target in one pass. Returns the seconds taken."""
     t0 = time.perf_counter()
-    length = min(c.offset for c in cache)
-    body = target.model
-    for a, b in sorted(spans):
-        if not 0 <= a < b <= length:
+    spans = sorted(spans)
+    if not spans:
+        return 0.0
+    end = min(c.offset for c in cache)
+    for (a, b), nxt in zip(spans, spans[1:] + [(end, end)]):
+        if not 0 <= a < b <= end:
             raise KvlingoError(f"Cannot recompute positions {a}..{b - 1} of a "
-                               f"{length}-position cache.")
-        views = [_SpanView(*_held_before(c, a), a) for c in cache]
-        body(mx.array([list(tokens[a:b])]), cache=views)
-        for c, view in zip(cache, views):
-            _write_span(c, view.keys, view.values, a)
-        mx.eval([(c.keys, c.values) for c in cache])
+                               f"{end}-position cache.")
+        if b > nxt[0]:
+            raise KvlingoError(f"Spans to recompute overlap: {a}..{b - 1} and "
+                               f"{nxt[0]}..{nxt[1] - 1}.")
+    batch = _Batch(tokens, spans, end)
+    views = [_PassView(*_by_position(c, end), batch) for c in cache]
+    target.model(batch.tokens, cache=views)
+    positions = [p for a, b in spans for p in range(a, b)]
+    for c, view in zip(cache, views):
+        _write_rows(c, view.new_keys, view.new_values, positions, end)
+    mx.eval([(c.keys, c.values) for c in cache])
     return time.perf_counter() - t0
 
 
