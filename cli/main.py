@@ -156,6 +156,50 @@ def fit(
     _run(go)
 
 
+@app.command()
+def compress(
+    source: str = typer.Option(..., help="Source model (short name, path or hub id): "
+                               "calibration features come from it."),
+    target: str = typer.Option(..., help="Target model's name (only to find a shipped "
+                               "translator; not loaded)."),
+    out: Path = typer.Option(..., help="Compressed translator file to write."),
+    translator: Optional[Path] = typer.Option(None, help="Translator file to compress "
+                                              "(default: the one shipped for the pair)."),
+    key_rank: int = typer.Option(384, help="Width of the shared projection of keys."),
+    value_rank: int = typer.Option(768, help="Width of the shared projection of values."),
+    corpus: str = typer.Option("stdlib", help=CORPUS_HELP),
+    tokens: int = typer.Option(8192, help="Calibration positions (the corpus's training "
+                               "part)."),
+    bits: Optional[int] = typer.Option(None, help="Save quantized to 8 or 4 bits."),
+):
+    """Compress a translator: every map reads one shared low-rank projection of the
+    source layers instead of its own concatenation of them (a cheaper switch)."""
+    from mlx_kvlingo.models.geometry import cache_geometry
+    from mlx_kvlingo.models.load import load
+    from mlx_kvlingo.pairs.shipped import translator_for
+    from mlx_kvlingo.translator.compress import compress_on_corpus
+
+    def go():
+        _warn_if_slow_blas()
+        if bits not in (None, 4, 8):
+            fail(f"--bits takes 8 or 4, not {bits}.")
+        t = translator_for(source, target, translator)
+        src, src_tok = load(source)
+        if cache_geometry(src) != t.spec.source.cache_geometry:
+            fail(f"{source} is not the source model this translator was made for "
+                 f"({t.spec.source.name}).")
+        small, r = compress_on_corpus(src, src_tok, t, key_rank, value_rank, corpus, tokens)
+        small.save(out, bits=bits)
+        mean = [sum(e) / len(e) for e in (r.key_error, r.value_error)]
+        typer.echo(
+            f"Ranks {r.key_rank} (keys) / {r.value_rank} (values), calibrated on {r.tokens} "
+            f"positions: maps' relative error {mean[0]:.4f} / {mean[1]:.4f} (mean), "
+            f"{max(r.key_error + r.value_error):.4f} (worst layer); multiply-adds per "
+            f"token {r.macs_before / 1e6:.1f} M -> {r.macs_after / 1e6:.1f} M. Wrote {out}")
+
+    _run(go)
+
+
 # ---------------------------------------------------------------------------
 # train and eval
 

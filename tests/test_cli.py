@@ -27,7 +27,7 @@ def run_cli(*args, check=True, timeout=600):
 def test_help_lists_the_commands():
     out = run_cli("--help").stdout
     for command in ("inspect", "fit", "train", "eval", "switch", "demo", "fetch-models",
-                    "chat", "convert-cache", "bench", "push"):
+                    "chat", "convert-cache", "bench", "push", "compress"):
         assert re.search(rf"\b{command}\b", out), command
 
 
@@ -70,6 +70,24 @@ def test_switch_compare_reports_both_times(fitted_translator, toy_pair_dirs):
     out = proc.stdout
     assert "time to first token after switch" in out
     assert re.search(r"switch is [\d.]+x faster", out)
+
+
+def test_compress_writes_a_cheaper_translator_that_switches(fitted_translator, toy_pair_dirs,
+                                                           tmp_path):
+    src, tgt = toy_pair_dirs
+    out = tmp_path / "small.safetensors"
+    proc = run_cli("compress", "--source", src, "--target", tgt, "--translator",
+                   fitted_translator, "--out", out, "--key-rank", "16", "--value-rank", "24",
+                   "--tokens", "1024")
+    macs = re.search(r"multiply-adds per token ([\d.]+) M -> ([\d.]+) M", proc.stdout)
+    assert macs and float(macs.group(2)) < float(macs.group(1))
+    assert load_translator(out).spec.shared_rank == {"k": 16, "v": 24}
+    proc = run_cli("switch", "--source", src, "--target", tgt, "--translator", out,
+                   "--prompt", "Return the number of items in the list.", "--max-tokens", "4")
+    assert proc.returncode == 0
+    bad = run_cli("compress", "--source", tgt, "--target", src, "--translator",
+                  fitted_translator, "--out", tmp_path / "x.safetensors", check=False)
+    assert bad.returncode != 0 and "not the source model" in bad.stderr + bad.stdout
 
 
 def test_switch_gate_keeps_or_replaces_the_translation(fitted_translator, toy_pair_dirs):

@@ -220,15 +220,37 @@ def _map_inputs(target, translator, context: int):
         inputs.append(mx.random.normal((1, rows, km.weight.shape[1])))
         if i in translator.spec.token_layers:
             tokens.append(mx.random.normal((1, rows, translator.spec.token_width)))
-    mx.eval(inputs, tokens)
+    if translator.spec.shared_rank:  # a compressed translator: its projection's inputs
+        width = translator.k_shared.weight.shape[1]
+        inputs = _SharedInputs(mx.random.normal((1, max(x.shape[1] for x in inputs), width)),
+                               [x.shape[1] for x in inputs])
+        mx.eval(inputs.features, tokens)
+    else:
+        mx.eval(inputs, tokens)
     return inputs, tokens
+
+
+@dataclass
+class _SharedInputs:
+    """A compressed translator's map inputs: the source features of every row (keys
+    and values alike, for timing), and how many rows each target layer maps."""
+
+    features: mx.array
+    rows: List[int]
 
 
 def _timed_maps(translator, inputs) -> float:
     sources, tokens = inputs
     t0 = time.perf_counter()
-    mx.eval([(km(x), vm(x)) for x, km, vm in zip(sources, translator.k_maps, translator.v_maps)]
-            + [(kt(x), vt(x)) for x, kt, vt in zip(tokens, translator.k_tok, translator.v_tok)])
+    if isinstance(sources, _SharedInputs):  # the projections, then each layer's rows
+        zk, zv = translator.k_shared(sources.features), translator.v_shared(sources.features)
+        maps = [(km(zk[:, -n:]), vm(zv[:, -n:])) for n, km, vm in
+                zip(sources.rows, translator.k_maps, translator.v_maps)]
+    else:
+        maps = [(km(x), vm(x)) for x, km, vm in
+                zip(sources, translator.k_maps, translator.v_maps)]
+    mx.eval(maps + [(kt(x), vt(x)) for x, kt, vt in zip(tokens, translator.k_tok,
+                                                         translator.v_tok)])
     return time.perf_counter() - t0
 
 
@@ -241,6 +263,10 @@ def _working_set(translator, buffer_rows: Sequence[int]) -> int:
     once and holds them for every token layer."""
     layer = max(rows * (2 * km.weight.shape[1] + 2 * km.weight.shape[0]) * 4
                 for rows, km in zip(buffer_rows, translator.k_maps))
+    if translator.spec.shared_rank:  # one kind's concatenated source features and
+        # both projections, over every row
+        width = translator.k_shared.weight.shape[1] + sum(translator.spec.shared_rank.values())
+        layer += max(buffer_rows) * width * 4
     tokens = max(buffer_rows) * translator.spec.token_width * 4 if translator.spec.token_layers else 0
     return layer + tokens
 

@@ -190,7 +190,10 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
         p = plan(first, last)
         return p.top - p.lo + 1 < last - first
 
-    map_first = {i: not shared and fewer_source_rows(*spans[i])
+    # A compressed translator projects every target row once per kind (below); its
+    # maps read that projection, already one row per target row.
+    compressed = bool(translator.spec.shared_rank)
+    map_first = {i: not shared and not compressed and fewer_source_rows(*spans[i])
                  for i, layers in enumerate(layer_map) if layers}
     # Layers in order of size, largest first (stable): the copy stream's reads and
     # rotations of one layer overlap the matmuls of its neighbours in this order, so
@@ -203,11 +206,25 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
     units = [(i, kind) for i in order for kind in "kv"]
     copies = _copy_stream() if phases is None else None
 
+    projected = {}  # kind -> a compressed translator's shared projection, all rows
+
     def inputs(i, kind):
         """Layer i's map inputs of one kind (with map_first, over their source rows),
         read for this unit alone: a source layer that feeds several target layers
         is read by each (holding it for the next reader held another layer's
-        features beside the units in flight)."""
+        features beside the units in flight). A compressed translator's: the rows
+        of the shared projection, made at the kind's first unit."""
+        if compressed:
+            if kind not in projected:
+                p = plan(0, top)
+                parts = [_source_rows(source, source_cache, j, p, kind, copies)
+                         for j in translator.source_layers]
+                with _on(copies):
+                    x = _concat(parts)
+                shared_map = translator.k_shared if kind == "k" else translator.v_shared
+                projected[kind] = shared_map(x)
+            first, last = spans[i]
+            return projected[kind][:, first:last]
         p = plan(*spans[i])
         if map_first[i]:
             parts = [_source_range(source, source_cache, j, p.lo, p.top, kind, copies)
@@ -353,8 +370,8 @@ def map_early_layer(source, target, translator, source_cache) -> Optional[EarlyL
     rows afterwards), so the streams map one layer while Python tokenizes for the
     target (~5-8 ms at 4,000 tokens). None where nothing runs beside Python (no
     second stream) or no layer qualifies."""
-    if _copy_stream() is None:
-        return None
+    if _copy_stream() is None or translator.spec.shared_rank:
+        return None  # (a compressed translator's maps read a projection of every row)
     geometry = cache_geometry(target)
     layers = [i for i, (lg, js) in enumerate(zip(geometry.layers, translator.spec.layer_map))
               if js and not lg.window and not (i == 0 and _native_layer0(translator))]

@@ -3,7 +3,11 @@
 A map is a bias-free dense matrix over the flattened KV heads of one token, so head
 counts and head dims may differ between the models. Target layer ``i`` reads the
 content-space features of the source layers ``layer_map[i]`` concatenated (one layer
-by default, the nearest in relative depth).
+by default, the nearest in relative depth). A *compressed* translator
+(``spec.shared_rank``, :mod:`.compress`) first projects the concatenated features of
+every source layer any map reads (``source_layers``) onto a few shared directions per
+kind, once per token, and each map reads that projection: one small matmul per
+layer instead of one over all its source layers.
 
 File format: one safetensors file. Tensors ``k_maps.{i}.weight`` and
 ``v_maps.{i}.weight`` ([target width, source width x len(layer_map[i])], float32);
@@ -12,6 +16,8 @@ with ``bits`` (8 or 4) stores each map whose input width is a multiple of 64 qua
 as ``nn.QuantizedLinear`` lays it out (``weight`` packed in uint32, ``scales`` and
 ``biases`` per 64 inputs), under metadata key ``mlx_kvlingo.quantization``; it loads
 back dequantized to float32, so a switch runs the same float32 matmuls either way.
+A compressed file also holds ``k_shared.weight`` and ``v_shared.weight`` ([rank,
+width of all of ``source_layers``]), and its maps are [target width, rank].
 """
 
 import json
@@ -19,7 +25,7 @@ import math
 import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,9 +38,10 @@ from ..models.geometry import CacheGeometry, cache_geometry, model_name, tokeniz
 from .hub import resolve_translator
 
 # The newest file format this version reads and writes. 2: token maps
-# (spec.token_layers). A file without token maps is written as version 1, without
-# the new fields, so older mlx-kvlingo still reads it.
-FORMAT_VERSION = 2
+# (spec.token_layers); 3: a shared projection (spec.shared_rank). A file without
+# them is written as the oldest version that holds it, without the new fields, so
+# older mlx-kvlingo still reads it.
+FORMAT_VERSION = 3
 METADATA_KEY = "mlx_kvlingo"
 QUANT_KEY = "mlx_kvlingo.quantization"
 QUANT_GROUP = 64  # inputs sharing one scale and bias (SmolLM2's and Gemma's widths divide it)
@@ -87,15 +94,23 @@ class TranslatorSpec:
     # before these fields: none.
     token_layers: List[int] = field(default_factory=list)
     token_width: int = 0
+    # A compressed translator: {"k": rank, "v": rank}, the width of the shared
+    # projection of every source layer's keys / values that all maps read (see the
+    # module docstring). Empty: each map reads its source layers directly.
+    shared_rank: Dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.token_layers and self.format_version == 1:
             self.format_version = 2  # a reader of version 1 would drop the token maps
+        if self.shared_rank and self.format_version < 3:
+            self.format_version = 3  # an older reader would find the shapes wrong
 
     def to_json(self) -> str:
         d = asdict(self)
         if not self.token_layers:  # a version-1 file, as older versions wrote it
             del d["token_layers"], d["token_width"]
+        if not self.shared_rank:
+            del d["shared_rank"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -129,9 +144,17 @@ class Translator(nn.Module):
             raise TranslatorFileError(
                 f"layer_map has {len(spec.layer_map)} entries for {len(tgt)} target layers"
             )
-        widths = [sum(src[j].width for j in layers) for layers in spec.layer_map]
-        self.k_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
-        self.v_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(widths, tgt)]
+        if spec.shared_rank:
+            union = sum(src[j].width for j in self.source_layers)
+            self.k_shared = nn.Linear(union, spec.shared_rank["k"], bias=False)
+            self.v_shared = nn.Linear(union, spec.shared_rank["v"], bias=False)
+            k_widths = [spec.shared_rank["k"]] * len(tgt)
+            v_widths = [spec.shared_rank["v"]] * len(tgt)
+        else:
+            k_widths = v_widths = [sum(src[j].width for j in layers)
+                                   for layers in spec.layer_map]
+        self.k_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(k_widths, tgt)]
+        self.v_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(v_widths, tgt)]
         # The token maps of spec.token_layers, in that order.
         self.k_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False)
                       for i in spec.token_layers]
@@ -171,6 +194,8 @@ class Translator(nn.Module):
             return self
         t = Translator(replace(self.spec, native_layer0=bool(on)))
         t.k_maps, t.v_maps = self.k_maps, self.v_maps
+        if self.spec.shared_rank:
+            t.k_shared, t.v_shared = self.k_shared, self.v_shared
         t.k_tok, t.v_tok = self.k_tok, self.v_tok
         return t
 
@@ -192,10 +217,23 @@ class Translator(nn.Module):
     def map_sources(self, keys: List[mx.array], values: List[mx.array],
                     keep: Optional[List] = None):
         """The maps' source terms alone (all of a translator without token layers)."""
+        if self.spec.shared_rank:
+            return self._map_shared(keys, values, keep)
         out_k, out_v = [], []
         for i, (layers, km, vm) in enumerate(zip(self.spec.layer_map, self.k_maps, self.v_maps)):
             out_k.append(km(_concat([_last_rows(keys[j], keep, i) for j in layers])))
             out_v.append(vm(_concat([_last_rows(values[j], keep, i) for j in layers])))
+        return out_k, out_v
+
+    def _map_shared(self, keys: List[mx.array], values: List[mx.array],
+                    keep: Optional[List] = None):
+        """map_sources of a compressed translator: one shared projection per kind,
+        over all rows, then each layer's map over the rows it keeps."""
+        union = self.source_layers
+        zk = self.k_shared(_concat([keys[j] for j in union]))
+        zv = self.v_shared(_concat([values[j] for j in union]))
+        out_k = [km(_last_rows(zk, keep, i)) for i, km in enumerate(self.k_maps)]
+        out_v = [vm(_last_rows(zv, keep, i)) for i, vm in enumerate(self.v_maps)]
         return out_k, out_v
 
     def add_token_terms(self, out_k: List[mx.array], out_v: List[mx.array],
@@ -469,6 +507,10 @@ def _validate_spec(spec: TranslatorSpec):
             and (spec.token_width > 0 or not spec.token_layers)):
         raise TranslatorFileError(
             f"invalid token_layers {spec.token_layers!r} / token_width {spec.token_width!r}.")
+    rank = spec.shared_rank
+    if not (isinstance(rank, dict) and (not rank or (set(rank) == {"k", "v"} and all(
+            _is_count(r, 1) for r in rank.values())))):
+        raise TranslatorFileError(f"invalid shared_rank {rank!r}.")
     n_source = len(spec.source.geometry["layers"])
     for i, layers in enumerate(spec.layer_map):
         if not layers or not all(_is_count(j) and j < n_source for j in layers):

@@ -1,0 +1,154 @@
+"""Compressing a translator: one shared low-rank projection of the source layers.
+
+Each target layer's map reads the concatenated features of many source layers
+(SmolLM2 -> Gemma 3: 18 of 30 per map), so a switch reads and multiplies the
+same source features once per target layer: most of its time. Stacked side by
+side over the union of the source layers they read, the maps of one kind (keys or
+values) form one matrix W [source width, sum of target widths] whose useful rank
+is far below its size. Its best rank-r form *for the features the source actually
+produces* is a truncated SVD in the metric of their second moment S = E[x^T x]:
+with S = L L^T, the error E|x (W - A B)|^2 = |L^T (W - A B)|_F^2, so the SVD of
+L^T W = U s V^T gives A = L^-T U_r (the shared projection) and B = s_r V_r^T (each
+layer's columns: its new map). A switch then projects every token once per kind
+and each layer maps r numbers; the source features are read once, not per layer.
+
+No retraining is needed: the compressed maps approximate the trained ones on the
+calibration features (their relative error per layer is reported), and the
+calibration text is not the evaluation text.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..data.corpus import read_corpus, split_documents, token_stream, token_windows
+from ..errors import KvlingoError
+from ..models.cache import cache_features, prefill
+from .maps import Translator
+
+
+@dataclass
+class CompressionReport:
+    key_rank: int
+    value_rank: int
+    tokens: int  # calibration positions
+    # Relative squared error of each target layer's compressed map output on the
+    # calibration features, |x W - x A B|^2 / |x W|^2, for keys and values.
+    key_error: List[float]
+    value_error: List[float]
+    macs_before: int  # multiply-adds per token of the maps (source terms)
+    macs_after: int
+
+
+def calibration_features(source: nn.Module, windows: Sequence[Sequence[int]],
+                         layers: Sequence[int]) -> Dict[str, np.ndarray]:
+    """The source's content-space keys and values of ``layers``, concatenated in
+    that order per token, over token windows (each prefilled from its start):
+    {"k": [N, width], "v": [N, width]} in float64."""
+    out = {"k": [], "v": []}
+    for w in windows:
+        cache = prefill(source, mx.array(list(w))[None])
+        ks, vs, _ = cache_features(source, cache, list(layers))
+        out["k"].append(np.concatenate([np.array(ks[j][0]) for j in layers], axis=1))
+        out["v"].append(np.concatenate([np.array(vs[j][0]) for j in layers], axis=1))
+    return {kind: np.concatenate(x).astype(np.float64) for kind, x in out.items()}
+
+
+def _stacked(translator: Translator, kind: str, widths: Dict[int, int]) -> List[np.ndarray]:
+    """Each target layer's map of ``kind`` as [union width, target width], zero rows
+    for the source layers it does not read."""
+    union = translator.source_layers
+    at, col = 0, {}
+    for j in union:
+        col[j], at = at, at + widths[j]
+    maps = translator.k_maps if kind == "k" else translator.v_maps
+    out = []
+    for layers, m in zip(translator.spec.layer_map, maps):
+        w = np.array(m.weight, dtype=np.float64).T
+        full = np.zeros((at, w.shape[1]))
+        row = 0
+        for j in layers:
+            full[col[j]: col[j] + widths[j]] = w[row: row + widths[j]]
+            row += widths[j]
+        out.append(full)
+    return out
+
+
+def _factor(x: np.ndarray, blocks: List[np.ndarray], rank: int):
+    """(A [D, r], per-block B [r, width], per-block relative error) minimising
+    |x W - x A B| for W = the blocks side by side."""
+    w = np.concatenate(blocks, axis=1)
+    moment = x.T @ x / len(x)
+    lam, q = np.linalg.eigh(moment)
+    floor = max(lam.max(), 1e-30) * 1e-10  # directions the source never uses
+    lam = np.maximum(lam, floor)
+    u, s, vt = np.linalg.svd((q * np.sqrt(lam)).T @ w, full_matrices=False)
+    rank = min(rank, len(s))
+    a = (q / np.sqrt(lam)) @ u[:, :rank]
+    b = s[:rank, None] * vt[:rank]
+    y, yr = x @ w, (x @ a) @ b
+    errors, at, parts = [], 0, []
+    for blk in blocks:
+        sl = slice(at, at + blk.shape[1])
+        errors.append(float(((y[:, sl] - yr[:, sl]) ** 2).sum() / max((y[:, sl] ** 2).sum(),
+                                                                    1e-30)))
+        parts.append(b[:, sl])
+        at += blk.shape[1]
+    return a, parts, errors
+
+
+def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
+                        key_rank: int, value_rank: int):
+    """A compressed copy of ``translator`` (spec.shared_rank) fitted on ``features``
+    (:func:`calibration_features` of its ``source_layers``). Token maps are kept as
+    they are. Returns (translator, CompressionReport)."""
+    if translator.spec.shared_rank:
+        raise KvlingoError("This translator is compressed already.")
+    for r in (key_rank, value_rank):
+        if not isinstance(r, int) or r < 1:
+            raise KvlingoError(f"A rank is a count >= 1, not {r!r}.")
+    geometry = translator.spec.source.cache_geometry.layers
+    widths = {j: geometry[j].width for j in translator.source_layers}
+    width = sum(widths.values())
+    if any(features[k].shape[1] != width for k in "kv"):
+        raise KvlingoError(f"Calibration features are {features['k'].shape[1]} wide; the "
+                           f"translator's source layers are {width}.")
+    if len(features["k"]) < max(key_rank, value_rank):
+        raise KvlingoError(f"{len(features['k'])} calibration positions cannot fit rank "
+                           f"{max(key_rank, value_rank)}: calibrate on more tokens.")
+    ranks = {"k": min(key_rank, width), "v": min(value_rank, width)}
+    out = Translator(replace(translator.spec, shared_rank=ranks))
+    out.k_tok, out.v_tok = translator.k_tok, translator.v_tok
+    errors = {}
+    for kind in "kv":
+        a, parts, errors[kind] = _factor(features[kind], _stacked(translator, kind, widths),
+                                         ranks[kind])
+        shared = out.k_shared if kind == "k" else out.v_shared
+        shared.weight = mx.array(a.T.astype(np.float32))
+        for m, b in zip(out.k_maps if kind == "k" else out.v_maps, parts):
+            m.weight = mx.array(b.T.astype(np.float32))
+    mx.eval(out.parameters())
+    targets = [m.weight.shape[0] for m in translator.k_maps]
+    before = sum(2 * sum(widths[j] for j in layers) * t
+                 for layers, t in zip(translator.spec.layer_map, targets))
+    after = sum(ranks[k] * (width + sum(targets)) for k in "kv")
+    return out, CompressionReport(ranks["k"], ranks["v"], len(features["k"]),
+                                  errors["k"], errors["v"], before, after)
+
+
+def compress_on_corpus(source: nn.Module, source_tokenizer, translator: Translator,
+                       key_rank: int, value_rank: int, corpus: str = "stdlib",
+                       tokens: int = 8192, window: int = 512):
+    """:func:`compress_translator` calibrated on ``tokens`` positions of the training
+    part of ``corpus`` (data.corpus; the held-out part, which evaluations read, is
+    left out), in windows of ``window`` tokens. Returns (translator, report)."""
+    train, _ = split_documents(read_corpus(corpus, source_tokenizer))
+    stream = token_stream(source_tokenizer, train)
+    count = max(tokens // window, 1)
+    batches = token_windows(stream, window, 1, count)
+    windows = [b[0].tolist() for b in batches]
+    features = calibration_features(source, windows, translator.source_layers)
+    return compress_translator(translator, features, key_rank, value_rank)

@@ -1,0 +1,143 @@
+"""Compressed translators: one shared low-rank projection of the source layers
+(translator.compress), switched through the same kernel."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import CONFIGS, identity_translator, tiny_model
+
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.cache import read_layer
+from mlx_kvlingo.switching.api import switch
+from mlx_kvlingo.translator.compress import calibration_features, compress_translator
+from mlx_kvlingo.translator.maps import METADATA_KEY, load_translator, read_safetensors_header
+
+
+def windows(count, length=48, seed=0):
+    return [mx.random.randint(1, 97, (length,), key=mx.random.key(seed + i)).tolist()
+            for i in range(count)]
+
+
+def model(arch):
+    return tiny_model(arch, sliding_window=64) if arch == "gemma3_text" else tiny_model(arch)
+
+
+def compressed(m, translator, key_rank, value_rank, count=6):
+    feats = calibration_features(m, windows(count), translator.source_layers)
+    return compress_translator(translator, feats, key_rank, value_rank)
+
+
+def max_difference(a, b):
+    out = 0.0
+    for x, y in zip(a, b):
+        (ka, va, _), (kb, vb, _) = read_layer(x), read_layer(y)
+        out = max(out, mx.abs(ka - kb).max().item(), mx.abs(va - vb).max().item())
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_full_rank_compression_switches_like_the_original(arch):
+    """At the rank of the union of source layers nothing is lost: the switched cache
+    (an exact identity translator: the native one) is the same."""
+    m = model(arch)
+    t = identity_translator(m)
+    width = sum(g.width for g in t.spec.source.cache_geometry.layers)
+    small, report = compressed(m, t, width, width)
+    assert max(report.key_error + report.value_error) < 1e-6
+    ids = windows(1, length=30, seed=99)[0]
+    want = switch(m, m, t, ids, native_tail=0).cache
+    got = switch(m, m, small, ids, native_tail=0).cache
+    assert max_difference(got, want) < 1e-3
+
+
+def test_lower_ranks_lose_more_and_cost_less():
+    m = tiny_model("llama")
+    t = identity_translator(m)
+    errors, costs = [], []
+    for rank in (4, 16, 48):
+        _, report = compressed(m, t, rank, rank)
+        errors.append(np.mean(report.key_error + report.value_error))
+        costs.append(report.macs_after)
+        assert report.macs_before == 2 * sum(
+            sum(g.width for g in t.spec.source.cache_geometry.layers[j:j + 1]) * g.width
+            for j, g in enumerate(t.spec.target.cache_geometry.layers))
+    assert errors[0] > errors[1] > errors[2] >= 0
+    assert costs[0] < costs[1] < costs[2]
+
+
+def test_reported_error_is_the_switch_error_on_calibration_text():
+    """The per-layer error the report gives is what the compressed maps do to the
+    features of the calibration text itself."""
+    m = tiny_model("llama")
+    t = identity_translator(m)
+    feats = calibration_features(m, windows(6), t.source_layers)
+    small, report = compress_translator(t, feats, 8, 8)
+    n = len(t.source_layers)
+    width = feats["k"].shape[1] // n
+    keys = [mx.array(feats["k"][None, :, j * width:(j + 1) * width].astype(np.float32))
+            for j in range(n)]
+    values = [mx.array(feats["v"][None, :, j * width:(j + 1) * width].astype(np.float32))
+              for j in range(n)]
+    want_k, _ = t.map_sources(keys, values)
+    got_k, _ = small.map_sources(keys, values)
+    for i, (g, w) in enumerate(zip(got_k, want_k)):
+        rel = (mx.sum((g - w) ** 2) / mx.sum(w ** 2)).item()
+        assert rel == pytest.approx(report.key_error[i], rel=1e-2, abs=1e-6)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_compressed_file_round_trips(tmp_path, bits):
+    m = tiny_model("llama")
+    t = identity_translator(m)
+    small, _ = compressed(m, t, 16, 24)
+    path = tmp_path / "small.safetensors"
+    small.save(path, bits=bits)
+    back = load_translator(path)
+    assert back.spec.shared_rank == {"k": 16, "v": 24}
+    assert '"format_version": 3' in read_safetensors_header(path)["__metadata__"][METADATA_KEY]
+    ids = windows(1, length=20, seed=5)[0]
+    a = switch(m, m, small, ids, native_tail=0).cache
+    b = switch(m, m, back, ids, native_tail=0).cache
+    assert max_difference(a, b) < (1e-5 if bits is None else 0.05)
+
+
+def test_an_uncompressed_file_keeps_its_old_format(tmp_path):
+    m = tiny_model("llama")
+    path = tmp_path / "t.safetensors"
+    identity_translator(m).save(path)
+    meta = read_safetensors_header(path)["__metadata__"][METADATA_KEY]
+    assert "shared_rank" not in meta and '"format_version": 1' in meta
+
+
+def test_bad_compressions_are_refused():
+    m = tiny_model("llama")
+    t = identity_translator(m)
+    small, _ = compressed(m, t, 8, 8)
+    feats = calibration_features(m, windows(1, length=6), t.source_layers)
+    with pytest.raises(KvlingoError, match="compressed already"):
+        compress_translator(small, feats, 4, 4)
+    with pytest.raises(KvlingoError, match="calibrate on more tokens"):
+        compress_translator(t, feats, 8, 8)
+    with pytest.raises(KvlingoError, match="rank is a count"):
+        compress_translator(t, feats, 0, 4)
+
+
+def test_the_ttft_benchmark_times_and_bounds_a_compressed_translator(toy_pair):
+    """measure_ttft's maps ceiling times the projections too; a compressed
+    translator's maps take less memory and its bound counts its projections."""
+    from mlx_kvlingo.measure.ttft import measure_ttft
+    from mlx_kvlingo.translator.maps import Translator
+
+    src, stok, tgt, ttok = toy_pair
+    t = Translator.for_models(src, tgt, stok, ttok, sources_per_layer=2)
+    feats = calibration_features(src, windows(4, length=64), t.source_layers)
+    small, _ = compress_translator(t, feats, 16, 16)
+    stream = stok.encode("Return a new list containing all items from the iterable. " * 8)
+    rows = [measure_ttft(src, tgt, x, stream, contexts=(48,), repeats=2, warmup=1,
+                         native_tails=(0,), rounds=2)[0] for x in (t, small)]
+    full, compact = rows[0].memory, rows[1].memory
+    assert rows[1].maps_s > 0 and rows[1].translate_s > 0
+    assert compact["maps_mb"] < full["maps_mb"]
+    assert compact["bound_mb"] == pytest.approx(
+        compact["source_cache_mb"] + compact["target_cache_mb"] + compact["maps_mb"]
+        + compact["layer_working_set_mb"])
