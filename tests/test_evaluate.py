@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tiny import identity_translator, tiny_model
 
+from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.measure.evaluate import cbr_difference, evaluate_translators
 from mlx_kvlingo.translator.maps import Translator
 
@@ -75,6 +76,22 @@ def test_native_tail_variants_are_scored_on_the_same_windows():
         assert [w["none"] for w in r.windows] == [w["none"] for w in rows[0].windows]
     # Computing more of the context natively brings the zero maps closer to native.
     assert rows[2].kl < rows[1].kl < rows[0].kl
+
+
+def test_truncation_baselines_are_scored_on_the_same_windows():
+    """Keeping the whole context is the native cache; keeping fewer of its last
+    tokens is not (a random model uses its context in no particular order, so only
+    that much is certain)."""
+    m = tiny_model("llama", seed=3)
+    rows = evaluate_translators(m, m, [_zero(m)], _windows(), 30, truncations=(2, 12, 29))
+    assert [r.truncated for r in rows] == [0, 2, 12, 29]
+    for r in rows[1:]:
+        assert [w["native"] for w in r.windows] == [w["native"] for w in rows[0].windows]
+    whole = rows[3]
+    assert whole.kl < 1e-6 and whole.cbr == pytest.approx(1.0, abs=1e-4)
+    assert min(rows[1].kl, rows[2].kl) > 1e-3
+    with pytest.raises(KvlingoError, match="last 30 tokens"):
+        evaluate_translators(m, m, [], _windows(2), 30, truncations=(30,))
 
 
 def test_bootstrap_interval_and_paired_difference():

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import cpu_math
+from ..errors import KvlingoError
 from ..metrics import cbr, kl, nll
 from ..models.cache import copy_cache, prefill
 from ..switching.api import translate_aligned
@@ -41,6 +42,10 @@ class Fidelity:
     top1: float  # fraction of positions where argmax agrees with native
     native_tail: int = 0  # last context tokens the target computed itself
     native_layer0: bool = False  # layer 0 computed by the target, not translated
+    # A truncation baseline, not a translation: the target re-prefilled only the last
+    # ``truncated`` context tokens (behind its leading special tokens), the rest
+    # dropped; its NLL stands where a translation's would (0: a translation).
+    truncated: int = 0
     # Per target layer: cosine between the attention outputs for the continuation
     # with the native and with the translated context K/V, same queries (a better
     # predictor of retention than R²). Mean over tokens and windows.
@@ -135,7 +140,8 @@ def continuation_logprobs(model: nn.Module, context: mx.array, continuation: mx.
 class ScoreTotals:
     """Per-token sums over scored continuations."""
 
-    def __init__(self, native_tail: int = 0, native_layer0: bool = False):
+    def __init__(self, native_tail: int = 0, native_layer0: bool = False, truncated: int = 0):
+        self.truncated = truncated
         self.sums = dict(native=0.0, translated=0.0, none=0.0, kl=0.0, kl_none=0.0, top1=0.0)
         self.n = 0
         self.native_tail = native_tail
@@ -185,6 +191,7 @@ class ScoreTotals:
             top1=s["top1"] / n,
             native_tail=self.native_tail,
             native_layer0=self.native_layer0,
+            truncated=self.truncated,
             windows=self.windows,
             attention_cosine=[c / self.cosine_n for c in self.cosine_sum or []],
         )
@@ -261,13 +268,29 @@ def _score_translated(tot, target, continuation, native, none, recorded, cache, 
     tot.add_cosine(attention_cosine(target, recorded, cache))
 
 
+def _score_truncations(truncations, totals, target, context, continuation, native, none,
+                       logprobs, specials: int = 0):
+    """Add the truncation baselines' scores: the target's own cache of its leading
+    ``specials`` tokens and the last n context tokens before the last one."""
+    for n, tot in zip(truncations, totals):
+        if not 0 < n < context.shape[1]:
+            raise KvlingoError(f"Cannot keep the last {n} tokens of a "
+                               f"{context.shape[1]}-token context.")
+        kept = mx.concatenate([context[:, :specials], context[:, -(n + 1):-1]], axis=1)
+        tot.add(continuation, native, logprobs(prefill(target, kept)), none)
+
+
 def evaluate_translators(
-    source, target, translators, windows, context_len: int, native_tails: Sequence[int] = (0,)
+    source, target, translators, windows, context_len: int, native_tails: Sequence[int] = (0,),
+    truncations: Sequence[int] = (),
 ) -> List[Fidelity]:
     """Score several translators (each with each native tail) on the same windows;
-    the native and no-context passes are computed once per window."""
+    the native and no-context passes are computed once per window. ``truncations``:
+    also score the target re-prefilling only the last n context tokens, for each n
+    (rows after the translators', ``Fidelity.truncated``)."""
     variants = _variants(translators, native_tails)
     totals = [ScoreTotals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
+    cut = [ScoreTotals(truncated=n) for n in truncations]
     for tokens in windows:
         context, continuation = tokens[:, :context_len], tokens[:, context_len:]
 
@@ -285,18 +308,23 @@ def evaluate_translators(
 
             cache = translate_aligned(source, target, t, source_cache, None, a, n, context)
             _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs)
-    return [t.result(context_len) for t in totals]
+        _score_truncations(truncations, cut, target, context, continuation, native, none,
+                           logprobs)
+    return [t.result(context_len) for t in totals + cut]
 
 
 def evaluate_aligned(
-    source, target, translators, samples, context_len: int, native_tails: Sequence[int] = (0,)
+    source, target, translators, samples, context_len: int, native_tails: Sequence[int] = (0,),
+    truncations: Sequence[int] = (),
 ) -> List[Fidelity]:
     """Score translators (each with each native tail) on
     :class:`~mlx_kvlingo.train.samples.AlignedSample`s (pairs with different tokenizers,
     one sample at a time). The no-context baseline keeps the target's leading
-    special tokens (e.g. Gemma's BOS, without which it is off distribution)."""
+    special tokens (e.g. Gemma's BOS, without which it is off distribution), and so
+    do the ``truncations`` (as in :func:`evaluate_translators`)."""
     variants = _variants(translators, native_tails)
     totals = [ScoreTotals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
+    cut = [ScoreTotals(truncated=n) for n in truncations]
     for s in samples:
         context = mx.array(s.alignment.target_tokens)[None]
         continuation = mx.array(s.continuation)[None]
@@ -315,16 +343,19 @@ def evaluate_aligned(
 
             cache = translate_aligned(source, target, t, source_cache, None, a, n)
             _score_translated(tot, target, continuation, native, none, recorded, cache, logprobs)
-    return [t.result(context_len) for t in totals]
+        _score_truncations(truncations, cut, target, context, continuation, native, none,
+                           logprobs, s.special_prefix)
+    return [t.result(context_len) for t in totals + cut]
 
 
 def evaluate_pair(pair, source, target, translators, items, context_len: int,
-                  native_tails: Sequence[int] = (0,)) -> List[Fidelity]:
+                  native_tails: Sequence[int] = (0,), truncations: Sequence[int] = ()
+                  ) -> List[Fidelity]:
     """Score translators on what ``pair.heldout`` returned: windows of shared
     token ids (``train.samples.SharedTokens``) or aligned samples
     (``train.samples.AlignedText``, different tokenizers: ``pair.aligned``)."""
     score = evaluate_aligned if getattr(pair, "aligned", False) else evaluate_translators
-    return score(source, target, translators, items, context_len, native_tails)
+    return score(source, target, translators, items, context_len, native_tails, truncations)
 
 
 MARKDOWN_HEAD = ["| context | {} | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",
