@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 from mlx_kvlingo.data.recall import KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.recall import format_table, measure_recall
+from mlx_kvlingo.measure.session_recall import measure_session_recall
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.pairs.shipped import translator_for
@@ -36,6 +37,12 @@ def main(argv=None):
                    "recompute fact-like words")
     p.add_argument("--oracle", action="store_true",
                    help="also a switch that recomputes the fact sentence (an upper bound)")
+    p.add_argument("--session", action="store_true",
+                   help="the conversation protocol instead (measure/session_recall.py): the "
+                   "source reads the fact, the target the next piece, the source the next, "
+                   "the target the cue; needs translators both ways (--translator and "
+                   "--reverse-translator, default: the shipped ones)")
+    p.add_argument("--reverse-translator", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -46,11 +53,18 @@ def main(argv=None):
     items = recall_items(heldout_filler(), args.items, args.tokens,
                          lambda text: len(ttok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed)
-    result = measure_recall(src, stok, tgt, ttok, translator, items,
-                            native_tail=args.native_tail,
-                            recompute=[float(b) for b in args.recompute.split(",") if b],
-                            oracle=args.oracle, source_name=args.source,
-                            target_name=args.target)
+    budgets = [float(b) for b in args.recompute.split(",") if b]
+    if args.session:
+        reverse = translator_for(args.target, args.source, args.reverse_translator)
+        result = measure_session_recall(
+            {args.source: (src, stok), args.target: (tgt, ttok)},
+            {(args.source, args.target): translator, (args.target, args.source): reverse},
+            args.source, args.target, items, recompute=budgets)
+    else:
+        result = measure_recall(src, stok, tgt, ttok, translator, items,
+                                native_tail=args.native_tail, recompute=budgets,
+                                oracle=args.oracle, source_name=args.source,
+                                target_name=args.target)
     print(format_table(result))
     if args.json:
         out = result.to_dict()

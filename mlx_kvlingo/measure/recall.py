@@ -268,8 +268,9 @@ def measure_recall(
 
 def format_table(result: RecallResult) -> str:
     """A markdown table: one row per setting."""
-    lines = [f"{result.source} -> {result.target}, {len(result.items)} items "
-             f"(equal time: the last {result.equal_time_tokens} tokens)", "",
+    equal = ("" if result.equal_time_tokens is None
+             else f" (equal time: the last {result.equal_time_tokens} tokens)")
+    lines = [f"{result.source} -> {result.target}, {len(result.items)} items{equal}", "",
              "| setting | exact match [95% CI] | answer NLL [95% CI] | TTFT (median) |",
              "|---|---|---|---|"]
     for setting in result.scores:

@@ -1,0 +1,129 @@
+"""Recall of a fact across the turns of a conversation that changes models.
+
+Each recall item (``data.recall``) is cut into three pieces at word boundaries, the
+fact in the first. Model A reads piece 1 (the fact), model B piece 2, A piece 3,
+and B then reads the cue and the answer (``Session.read``, teacher-forced, plain
+text). So B holds the fact only through its first catch-up's translation, and its
+cache has been extended by translation again since (A's piece 3): a fact stated
+early, asked for after the conversation went back and forth.
+
+Settings, on the same items: ``session switch`` (translators; each catch-up
+translates), ``session switch + recompute B`` (``Session(recompute=B)``: each
+catch-up also recomputes the fact-like words it translated), ``session
+re-prefill`` (no translators: each catch-up prefills the other model's text), and
+``none`` (B reads only the cue). Score per item: exact match (every answer token
+is B's greedy choice given the ones before it, which is what greedy decoding
+would produce), the answer's NLL per token, and the seconds of B's last turn
+(catch-up included).
+"""
+
+import re
+import time
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..chat.session import Session
+from ..data.recall import RecallItem
+from ..errors import KvlingoError
+from ..metrics import nll
+from .recall import NONE, RecallResult, RecallScore
+
+SWITCHED, REPREFILL = "session switch", "session re-prefill"
+
+
+def pieces(item: RecallItem) -> Tuple[str, str, str]:
+    """The item's context in three pieces at word boundaries: piece 1 ends after
+    the fact sentence, the rest is split in two halves."""
+    text, end = item.context, item.fact[1]
+    cuts = [m.start() for m in re.finditer(r"\s+\S", text)]
+    first = next((c for c in cuts if c >= end), None)
+    if first is None:
+        raise KvlingoError("The fact ends the context: nothing is left to read after it.")
+    rest = [c for c in cuts if c > first]
+    if not rest:
+        raise KvlingoError("Too little text after the fact to cut into pieces.")
+    second = rest[len(rest) // 2]
+    return text[:first], text[first:second], text[second:]
+
+
+def answer_split(tokenizer, cue: str, answer: str) -> Tuple[List[int], int]:
+    """(ids of cue + answer as the model reads them, how many of them are the cue)."""
+    whole = tokenizer.encode(cue + answer, add_special_tokens=False)
+    head = tokenizer.encode(cue, add_special_tokens=False)
+    if whole[:len(head)] != head or len(whole) == len(head):
+        head_len = len(whole) - len(tokenizer.encode(answer, add_special_tokens=False))
+        return whole, max(head_len, 1)
+    return whole, len(head)
+
+
+def score_read(logprobs: mx.array, ids: Sequence[int], cue_len: int, seconds: float,
+               said_text: str, read: int) -> RecallScore:
+    """A teacher-forced read of cue + answer: exact when every answer token is the
+    argmax, with the answer's mean NLL."""
+    lp = logprobs[None, cue_len:]
+    target = mx.array([list(ids[cue_len:])])
+    exact = bool(mx.all(mx.argmax(lp, axis=-1) == target).item())
+    return RecallScore(exact, nll(lp, target).mean().item(), seconds, said_text, read)
+
+
+def run_item(make: Callable[[], Session], a: str, b: str, item: RecallItem) -> RecallScore:
+    """One item through a fresh session: A, B, A read the pieces, B reads the cue and
+    the answer."""
+    session = make()
+    p1, p2, p3 = pieces(item)
+    session.read(a, p1)
+    session.read(b, p2)
+    session.read(a, p3)
+    tokenizer = session.tokenizer_of(b)
+    ids, cue_len = answer_split(tokenizer, item.cue, item.answer)
+    t0 = time.perf_counter()
+    logprobs = session.read(b, ids)
+    seconds = time.perf_counter() - t0
+    guess = tokenizer.decode(mx.argmax(logprobs[cue_len:], axis=-1).tolist())
+    return score_read(logprobs, ids, cue_len, seconds, guess, session.reports[-1].context_tokens)
+
+
+def cue_only(session: Session, b: str, item: RecallItem) -> RecallScore:
+    """B reads nothing but the cue and the answer (its leading special tokens kept)."""
+    tokenizer = session.tokenizer_of(b)
+    ids, cue_len = answer_split(tokenizer, item.cue, item.answer)
+    specials = tokenizer.encode("", add_special_tokens=True)
+    t0 = time.perf_counter()
+    logprobs = session.read(b, specials + ids)
+    seconds = time.perf_counter() - t0
+    # The session drops the first position's log-probs (nothing precedes it).
+    offset = len(specials) + cue_len - 1
+    lp, target = logprobs[None, offset:], mx.array([ids[cue_len:]])
+    exact = bool(mx.all(mx.argmax(lp, axis=-1) == target).item())
+    guess = tokenizer.decode(mx.argmax(logprobs[offset:], axis=-1).tolist())
+    return RecallScore(exact, nll(lp, target).mean().item(), seconds, guess, len(specials))
+
+
+def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a: str, b: str,
+                           items: Sequence[RecallItem], recompute: Sequence[float] = (),
+                           log: Callable[[str], None] = print) -> RecallResult:
+    """Score ``items`` (see the module docstring): ``models`` name -> (model,
+    tokenizer), ``translators`` (source, target) -> Translator for both directions
+    between ``a`` and ``b``."""
+    for pair in ((a, b), (b, a)):
+        if pair not in translators:
+            raise KvlingoError(f"A translator {pair[0]} -> {pair[1]} is needed.")
+    settings: Dict[str, Callable[[], Session]] = {
+        REPREFILL: lambda: Session(models),
+        SWITCHED: lambda: Session(models, translators),
+    }
+    for share in recompute:
+        settings[f"{SWITCHED} + recompute {share:.0%}"] = (
+            lambda share=share: Session(models, translators, recompute=share))
+    scores: Dict[str, List[RecallScore]] = {name: [] for name in settings}
+    scores[NONE] = []
+    for i, item in enumerate(items):
+        for name, make in settings.items():
+            scores[name].append(run_item(make, a, b, item))
+        scores[NONE].append(cue_only(Session(models), b, item))
+        log(f"  item {i + 1}/{len(items)} ({item.kind}): "
+            + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
+    return RecallResult(a, b, list(items), scores, None,
+                        {"protocol": "A reads the fact's piece, B the next, A the next, B the "
+                                     "cue and the answer (teacher-forced)"})

@@ -1,0 +1,54 @@
+"""A fact recalled across a conversation that changes models (measure.session_recall)."""
+
+import pytest
+from tiny import identity_translator
+
+from mlx_kvlingo.data.recall import recall_items
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.measure.recall import NONE
+from mlx_kvlingo.measure.session_recall import (
+    REPREFILL,
+    SWITCHED,
+    measure_session_recall,
+    pieces,
+)
+
+FILLER = [" ".join(f"Sentence {i} of paragraph {p} says little of note." for i in range(12))
+          for p in range(60)]
+
+
+def items(tokenizer, count=3):
+    return recall_items(FILLER, count, 120, lambda t: len(tokenizer.encode(t)), seed=2)
+
+
+def test_pieces_put_the_fact_in_the_first_and_keep_every_character(toy_pair):
+    _, stok, _, _ = toy_pair
+    for item in items(stok, 6):
+        p1, p2, p3 = pieces(item)
+        assert p1 + p2 + p3 == item.context
+        assert item.context[item.fact[0]:item.fact[1]] in p1
+        assert p2.strip() and p3.strip()
+
+
+def test_an_exact_translation_recalls_as_a_re_prefill(toy_pair):
+    """Identity translators between two copies of one model: every catch-up is
+    exact, so the switched conversation scores as the re-prefilled one; a translator
+    that carries nothing does not."""
+    src, stok, _, _ = toy_pair
+    models = {"a": (src, stok), "b": (src, stok)}
+    exact = {("a", "b"): identity_translator(src, stok), ("b", "a"): identity_translator(src, stok)}
+    its = items(stok)
+    result = measure_session_recall(models, exact, "a", "b", its, recompute=[0.2],
+                                    log=lambda s: None)
+    assert set(result.scores) == {REPREFILL, SWITCHED, f"{SWITCHED} + recompute 20%", NONE}
+    for name in (SWITCHED, f"{SWITCHED} + recompute 20%"):
+        for x, y in zip(result.scores[REPREFILL], result.scores[name]):
+            assert x.exact == y.exact and x.answer_nll == pytest.approx(y.answer_nll, abs=1e-3)
+            assert x.read == y.read
+    nothing = {("a", "b"): identity_translator(src, stok, scale=0.0),
+               ("b", "a"): identity_translator(src, stok, scale=0.0)}
+    broken = measure_session_recall(models, nothing, "a", "b", its, log=lambda s: None)
+    assert any(abs(x.answer_nll - y.answer_nll) > 1e-2
+               for x, y in zip(result.scores[REPREFILL], broken.scores[SWITCHED]))
+    with pytest.raises(KvlingoError, match="b -> a"):
+        measure_session_recall(models, {("a", "b"): exact[("a", "b")]}, "a", "b", its)
