@@ -25,6 +25,37 @@ def row(run, setting):
             f"{n.value:.2f} [{n.low:.2f}, {n.high:.2f}] | {ttft * 1e3:.0f} ms | {read:.0f} |")
 
 
+def gate_rows(run, settings, max_false_alarms: float = 0.2):
+    """The fact probe as a gate, per switch setting: on the items the re-prefill
+    answers, it should fire where the switch fails (true positives) and not where it
+    succeeds (false positives). The threshold is the lowest probe NLL at which it
+    fires on at most ``max_false_alarms`` of the successes."""
+    out = []
+    native = exact(run, "native")
+    for s in settings:
+        probes = [x.get("probe") for x in run["scores"][s]]
+        if not s.startswith("switch") or any(p is None for p in probes):
+            continue
+        items = [(p, bool(e)) for p, e, n in zip(probes, exact(run, s), native) if n]
+        fails = sorted(p for p, ok in items if not ok)
+        oks = sorted(p for p, ok in items if ok)
+        if not fails or not oks:
+            continue
+        k = min(len(oks) - 1, int(len(oks) * (1 - max_false_alarms)))
+        threshold = oks[k]
+        tpr = sum(p > threshold for p in fails) / len(fails)
+        fpr = sum(p > threshold for p in oks) / len(oks)
+        auc = sum((f > o) + 0.5 * (f == o) for f in fails for o in oks) / (len(fails) * len(oks))
+        if not out:
+            out += ["", "Fact probe as a gate (items the re-prefill answers; fires when the "
+                    "probe NLL exceeds the threshold):", "",
+                    "| setting | switch fails | threshold (nats) | fires on fails (TPR) | "
+                    "fires on successes (FPR) | AUC |", "|---|---|---|---|---|---|"]
+        out.append(f"| {s} | {len(fails)} of {len(items)} | {threshold:.2f} | {tpr:.2f} | "
+                   f"{fpr:.2f} | {auc:.2f} |")
+    return out
+
+
 def page(runs) -> str:
     out = []
     for run in runs:
@@ -72,6 +103,7 @@ def page(runs) -> str:
                         if lo <= i["depth"] < hi]
                 cells.append(f"{sum(hits) / max(len(hits), 1):.2f}")
             out.append(f"| {s} | " + " | ".join(cells) + " |")
+        out += gate_rows(run, settings)
         env = run.get("environment", {})
         out += ["", f"Machine: {env.get('platform')}, {env.get('cpu')}, {env.get('cpu_count')} "
                 f"cores, MLX {env.get('mlx')}, {env.get('blas')}; load average when it ended "

@@ -105,3 +105,39 @@ def test_switch_with_gate(target):
         assert decision.fallback is fires and decision.computed == 8
         got = [r.token for r in generate_after_switch(m, tok, result, max_tokens=6)]
         assert got == native  # exact maps, or a native re-prefill after the fallback
+
+
+PROBE_TEXT = ("It was a fine day. The clerk said the locker code is 58213 and left. "
+              "Then Pomini Gufifari called the helper parse_cfg_v2 twice. It rained all "
+              "afternoon and nobody came.")
+
+
+def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
+    """The probe of an exact switch is the probe of the native cache (same words,
+    same NLLs), it leaves the cache as it was, and a translation that carries
+    nothing probes differently."""
+    from mlx_kvlingo.chat.gate import probe_facts
+    from mlx_kvlingo.models.cache import copy_cache, prefill, read_layer
+    from mlx_kvlingo.switching.api import switch
+    from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+    src, stok, _, _ = toy_pair
+    ids, offsets = tokenize_with_offsets(stok, PROBE_TEXT)
+    native = prefill(src, mx.array(ids[:-1])[None])
+    want = probe_facts(src, native, ids, PROBE_TEXT, offsets)
+    assert want is not None and "58213" in want.words and len(want.per_word) == 3
+    exact = switch(src, src, identity_translator(src, stok), ids, native_tail=0).cache
+    before = copy_cache(exact)
+    got = probe_facts(src, exact, ids, PROBE_TEXT, offsets)
+    assert got.words == want.words
+    assert got.per_word == pytest.approx(want.per_word, abs=1e-3)
+    for a, b in zip(exact, before):
+        assert a.offset == b.offset
+        assert mx.array_equal(read_layer(a)[0], read_layer(b)[0])
+    broken = switch(src, src, identity_translator(src, stok, scale=0.0), ids,
+                    native_tail=0).cache
+    assert abs(probe_facts(src, broken, ids, PROBE_TEXT, offsets).nll - want.nll) > 1e-2
+    plain = "it was a fine day and it rained"
+    p_ids, p_off = tokenize_with_offsets(stok, plain)
+    assert probe_facts(src, prefill(src, mx.array(p_ids[:-1])[None]), p_ids, plain,
+                       p_off) is None

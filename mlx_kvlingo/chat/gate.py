@@ -31,8 +31,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..metrics import log_softmax, nll
-from ..models.cache import prefill
+from ..models.cache import copy_cache, prefill
 from ..switching.api import SwitchResult, as_batch, switch
+from ..switching.recompute import salient_words
 
 DEFAULT_TOKENS = 8
 DEFAULT_THRESHOLD = 0.0
@@ -163,3 +164,48 @@ def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
         mx.eval([(c.keys, c.values) for c in cache])
     spent = time.perf_counter() - t0
     return SwitchResult(cache, result.pending[-1:], result.translate_s + spent), decision
+
+
+# ---------------------------------------------------------------------------
+# Fact probes: does the cache still hold the context's facts?
+#
+# The tail score above sees only the last tokens, so it cannot notice that a fact
+# stated early was lost. A fact probe asks the cache for the facts themselves,
+# without knowing any question: for the few most fact-like words of the context
+# (the words a recompute would choose: numbers, identifiers, names), the model
+# reads the tokens that led up to the word, appended after the context, and must
+# continue with the word. A model copies a passage it can still find (induction),
+# so a low NLL says the fact is there and a high one that it is lost.
+
+
+@dataclass
+class FactProbe:
+    nll: float  # mean NLL of the probed words' tokens (the score)
+    words: List[str]  # the words probed
+    per_word: List[float]
+    ms: float
+
+
+def probe_facts(model: nn.Module, cache: List, tokens: Sequence[int], text: str,
+                offsets: Sequence, probes: int = 3, lead: int = 6,
+                lo: int = 1) -> Optional[FactProbe]:
+    """Probe ``cache`` (holding ``tokens[:len(cache)]``, the rest of ``tokens``
+    still to read; ``offsets``: each token's characters in ``text``) for its ``probes``
+    most fact-like words: each probe is read on a copy of the cache, so the cache
+    is left as it was. None when the context has no fact-like word."""
+    t0 = time.perf_counter()
+    end = min(c.offset for c in cache)
+    # Words with something before them to lead up to them.
+    words = [w for w in salient_words(text, offsets, lo, end) if w[1][0] > lo][:probes]
+    if not words:
+        return None
+    per_word, said = [], []
+    for _, positions in words:
+        a = max(positions[0] - lead, lo)
+        probe = list(tokens[a:positions[-1] + 1])
+        logits = model(mx.array([probe[:-1]]), cache=copy_cache(cache))[0]
+        n = len(positions)
+        per_word.append(_mean_nll(logits[-n:], probe[-n:]).item())
+        said.append(text[offsets[positions[0]][0]:offsets[positions[-1]][1]])
+    return FactProbe(sum(per_word) / len(per_word), said, per_word,
+                     (time.perf_counter() - t0) * 1e3)

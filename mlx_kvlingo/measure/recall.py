@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..chat.gate import probe_facts
 from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
 from ..models.cache import cache_length, copy_cache, last_logits, prefill
@@ -50,6 +51,10 @@ class RecallScore:
     ttft_s: float  # to the first answer token
     said: str  # the greedy answer
     read: int  # context tokens in the cache the target answered from
+    # A switch's fact probe (chat.gate.probe_facts: the mean NLL with which the
+    # switched cache continues the context's most fact-like words), taken before
+    # answering; None for other settings.
+    probe: Optional[float] = None
 
 
 @dataclass
@@ -241,8 +246,11 @@ def measure_recall(
                                              translator, item.prompt, native_tail, read, share)
             if select is not None:
                 s += recompute_spans(target, cache, ids, select(len(ids) - len(pending)))
-            add(setting, score_state(target, target_tokenizer, cache, pending, answer,
-                                     item.answer, s))
+            probe = probe_facts(target, cache, ids, item.prompt, offsets,
+                                lo=translator.spec.native_prefix)
+            score = score_state(target, target_tokenizer, cache, pending, answer, item.answer, s)
+            score.probe = probe.nll if probe else None
+            add(setting, score)
         for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
             cache, pending, s = native_state(target, truncated_ids(ids, n, bos))
             add(setting, score_state(target, target_tokenizer, cache, pending, answer,
