@@ -1,7 +1,7 @@
 """Context-benefit retention (CBR) of translators on held-out windows, beside the target
 re-prefilling only its last N context tokens: N = 16 / 64 / 128 / 256 and the
-*equal-time* N, whose re-prefill takes as long as the first translator's switch
-(native tail and first step included), timed in the same run.
+*equal-time* N of each translator, whose re-prefill takes as long as that
+translator's switch (native tail and first step included), timed in the same run.
 
     python benchmarks/cbr_equal_time.py --source smollm2 --target gemma3 \
         --translator A.safetensors --translator B.safetensors --corpus austen \
@@ -35,9 +35,9 @@ from mlx_kvlingo.translator.maps import load_translator
 FIXED = (16, 64, 128, 256)
 
 
-def switch_times(src, stok, tgt, ttok, translator, tokens: int, tail: int, rounds: int):
-    """Median seconds of the switch (from the source's cache) and of re-prefilling
-    the last n tokens, for each n in FIXED and the whole context."""
+def switch_times(src, stok, tgt, ttok, translators, tokens: int, tail: int, rounds: int):
+    """Median seconds of each translator's switch (from the source's cache) and of
+    re-prefilling the last n tokens, for each n in FIXED and the whole context."""
     text = austen_text(ttok, tokens)
     source_tokens = tokenize_with_offsets(stok, text)
     cache = prefill(src, mx.array(source_tokens[0])[None])
@@ -45,7 +45,7 @@ def switch_times(src, stok, tgt, ttok, translator, tokens: int, tail: int, round
     ids = tokenize_with_offsets(ttok, text)[0]
     bos = getattr(ttok, "bos_token_id", None)
 
-    def switched():
+    def switched(translator):
         first_step(tgt, switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
                                     native_tail=tail, source_tokens=source_tokens))
 
@@ -54,10 +54,10 @@ def switch_times(src, stok, tgt, ttok, translator, tokens: int, tail: int, round
         c = prefill(tgt, kept[:, :-1])
         mx.eval(last_logits(tgt, kept[:, -1:], c))
 
-    runs = {"switch": switched}
+    runs = {("switch", i): (lambda t=t: switched(t)) for i, t in enumerate(translators)}
     runs.update({n: (lambda n=n: reprefill(n)) for n in FIXED + (len(ids),)})
     med = interleaved_medians(runs, rounds)
-    return med.pop("switch"), med
+    return [med.pop(("switch", i)) for i in range(len(translators))], med
 
 
 def main():
@@ -77,17 +77,20 @@ def main():
     paths = args.translator or [None]
     translators = [load_shipped(args.source, args.target) if p is None else load_translator(p)
                    for p in paths]
-    switch_s, prefill_s = switch_times(src, stok, tgt, ttok, translators[0], args.context,
+    switch_s, prefill_s = switch_times(src, stok, tgt, ttok, translators, args.context,
                                        args.native_tail, args.rounds)
-    n_eq = min(equal_time_tokens(prefill_s, switch_s), args.context - 1)
-    print(f"switch {switch_s:.3f} s; re-prefill {prefill_s}; equal-time N {n_eq}", flush=True)
+    n_eq = [min(equal_time_tokens(prefill_s, s), args.context - 1) for s in switch_s]
+    print(f"switch {switch_s} s; re-prefill {prefill_s}; equal-time N {n_eq}", flush=True)
     pair = pair_data(args.corpus, stok, ttok)
     items = pair.heldout(args.context, args.continuation, args.windows)
-    cuts = FIXED + (n_eq,)
+    fixed = tuple(n for n in FIXED if n < args.context)
+    equal = sorted(set(n_eq) - set(fixed))
     rows = evaluate_pair(pair, src, tgt, translators, items, args.context,
-                         (args.native_tail,), cuts)
-    labels = [f"switch: {p or 'shipped'}" for p in paths] + [f"last {n}" for n in FIXED] + [
-        f"last {n_eq} (equal time)"]
+                         (args.native_tail,), fixed + tuple(equal))
+    labels = [f"switch: {p or 'shipped'} ({s / prefill_s[max(prefill_s)]:.2f} of the "
+              f"re-prefill's time, equal time: last {n})"
+              for p, s, n in zip(paths, switch_s, n_eq)]
+    labels += [f"last {n}" for n in fixed] + [f"last {n} (equal time)" for n in equal]
     out = {"environment": environment(), "args": {k: str(v) for k, v in vars(args).items()},
            "switch_s": switch_s, "prefill_s": {str(k): v for k, v in prefill_s.items()},
            "equal_time_tokens": n_eq,
