@@ -50,6 +50,45 @@ def test_full_rank_compression_switches_like_the_original(arch):
     assert max_difference(got, want) < 1e-3
 
 
+def with_token_maps(m, scale=0.05, seed=0):
+    """An identity translator whose every layer also has a (random) token map."""
+    from mlx_kvlingo.translator.maps import Translator
+
+    t = Translator.for_models(m, m, token_layers=range(len(m.layers)))
+    for lin in t.k_maps + t.v_maps:
+        lin.weight = mx.eye(lin.weight.shape[0])
+    keys = mx.random.split(mx.random.key(seed), 2 * len(t.k_tok))
+    for key, lin in zip(keys, t.k_tok + t.v_tok):
+        lin.weight = scale * mx.random.normal(lin.weight.shape, key=key)
+    mx.eval(t.parameters())
+    return t
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_token_maps_fold_into_the_projection(arch, tmp_path):
+    """With the token inputs under the projection, a full-rank compression still
+    switches like the original, has no separate token maps, and round-trips."""
+    m = model(arch)
+    t = with_token_maps(m)
+    feats = calibration_features(m, windows(8), t.source_layers, target=m)
+    width = feats["k"].shape[1] + feats["tokens"].shape[1]
+    small, report = compress_translator(t, feats, width, width, fold_tokens=True)
+    assert small.spec.shared_tokens and not small.k_tok and not small.v_tok
+    ids = windows(1, length=30, seed=99)[0]
+    want = switch(m, m, t, ids, native_tail=0).cache
+    got = switch(m, m, small, ids, native_tail=0).cache
+    assert max_difference(got, want) < 1e-3
+    small.save(tmp_path / "f.safetensors")
+    back = load_translator(tmp_path / "f.safetensors")
+    assert back.spec.shared_tokens
+    again = switch(m, m, back, ids, native_tail=0).cache
+    assert max_difference(again, got) < 1e-5
+    with pytest.raises(KvlingoError, match="token inputs"):
+        compress_translator(t, {k: feats[k] for k in "kv"}, 8, 8, fold_tokens=True)
+    with pytest.raises(KvlingoError, match="no token maps"):
+        compress_translator(identity_translator(m), feats, 8, 8, fold_tokens=True)
+
+
 def test_lower_ranks_lose_more_and_cost_less():
     m = tiny_model("llama")
     t = identity_translator(m)

@@ -219,6 +219,8 @@ def _translate_fresh(source, target, translator, source_cache, alignment, target
                 p = plan(0, top)
                 parts = [_source_rows(source, source_cache, j, p, kind, copies)
                          for j in translator.source_layers]
+                if translator.spec.shared_tokens:  # the token inputs, folded in
+                    parts.append(tokens[:, :top].astype(parts[0].dtype))
                 with _on(copies):
                     x = _concat(parts)
                 shared_map = translator.k_shared if kind == "k" else translator.v_shared

@@ -15,10 +15,17 @@ and each layer maps r numbers; the source features are read once, not per layer.
 No retraining is needed: the compressed maps approximate the trained ones on the
 calibration features (their relative error per layer is reported), and the
 calibration text is not the evaluation text.
+
+Token maps (``spec.token_layers``: each map also reads the target's embeddings of
+the token and the one before it) are kept as they are, or, for models that share a
+tokenizer, *folded in*: the token inputs join the source features under the
+projection (``fold_tokens``), and no separate token map is left. A Qwen2.5-Coder
+translator with token maps on every layer is two thirds token maps, so that is
+where its size goes.
 """
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +34,7 @@ import numpy as np
 from ..data.corpus import read_corpus, split_documents, token_stream, token_windows
 from ..errors import KvlingoError
 from ..models.cache import cache_features, prefill
+from ..models.features import token_inputs
 from .maps import Translator
 
 
@@ -44,22 +52,29 @@ class CompressionReport:
 
 
 def calibration_features(source: nn.Module, windows: Sequence[Sequence[int]],
-                         layers: Sequence[int]) -> Dict[str, np.ndarray]:
+                         layers: Sequence[int], target: Optional[nn.Module] = None
+                         ) -> Dict[str, np.ndarray]:
     """The source's content-space keys and values of ``layers``, concatenated in
     that order per token, over token windows (each prefilled from its start):
-    {"k": [N, width], "v": [N, width]} in float64."""
-    out = {"k": [], "v": []}
+    {"k": [N, width], "v": [N, width]} in float64. With ``target`` (a model sharing
+    the source's tokenizer), also "tokens": its token inputs of the same positions."""
+    out = {"k": [], "v": [], "tokens": []}
     for w in windows:
-        cache = prefill(source, mx.array(list(w))[None])
+        ids = mx.array(list(w))[None]
+        cache = prefill(source, ids)
         ks, vs, _ = cache_features(source, cache, list(layers))
         out["k"].append(np.concatenate([np.array(ks[j][0]) for j in layers], axis=1))
         out["v"].append(np.concatenate([np.array(vs[j][0]) for j in layers], axis=1))
-    return {kind: np.concatenate(x).astype(np.float64) for kind, x in out.items()}
+        if target is not None:
+            out["tokens"].append(np.array(token_inputs(target, ids, 0, len(w))[0]))
+    return {kind: np.concatenate(x).astype(np.float64) for kind, x in out.items() if x}
 
 
-def _stacked(translator: Translator, kind: str, widths: Dict[int, int]) -> List[np.ndarray]:
+def _stacked(translator: Translator, kind: str, widths: Dict[int, int],
+             fold_tokens: bool = False) -> List[np.ndarray]:
     """Each target layer's map of ``kind`` as [union width, target width], zero rows
-    for the source layers it does not read."""
+    for the source layers it does not read; with ``fold_tokens``, its token map's
+    rows below them (zeros for a layer without one)."""
     union = translator.source_layers
     at, col = 0, {}
     for j in union:
@@ -73,6 +88,11 @@ def _stacked(translator: Translator, kind: str, widths: Dict[int, int]) -> List[
         for j in layers:
             full[col[j]: col[j] + widths[j]] = w[row: row + widths[j]]
             row += widths[j]
+        if fold_tokens:
+            tok = translator.token_map(len(out), kind)
+            rows = (np.array(tok.weight, dtype=np.float64).T if tok is not None
+                    else np.zeros((translator.spec.token_width, w.shape[1])))
+            full = np.concatenate([full, rows])
         out.append(full)
     return out
 
@@ -101,31 +121,48 @@ def _factor(x: np.ndarray, blocks: List[np.ndarray], rank: int):
 
 
 def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
-                        key_rank: int, value_rank: int):
+                        key_rank: int, value_rank: int, fold_tokens: bool = False):
     """A compressed copy of ``translator`` (spec.shared_rank) fitted on ``features``
-    (:func:`calibration_features` of its ``source_layers``). Token maps are kept as
-    they are. Returns (translator, CompressionReport)."""
+    (:func:`calibration_features` of its ``source_layers``, with the target's
+    "tokens" when ``fold_tokens``). Token maps are kept as they are, or with
+    ``fold_tokens`` folded into the projection. Returns (translator,
+    CompressionReport)."""
     if translator.spec.shared_rank:
         raise KvlingoError("This translator is compressed already.")
     for r in (key_rank, value_rank):
         if not isinstance(r, int) or r < 1:
             raise KvlingoError(f"A rank is a count >= 1, not {r!r}.")
+    if fold_tokens and not translator.spec.token_layers:
+        raise KvlingoError("This translator has no token maps to fold in.")
+    if fold_tokens and translator.cross_tokenizer:
+        raise KvlingoError("Token maps fold in only for models that share a tokenizer.")
+    if fold_tokens and "tokens" not in features:
+        raise KvlingoError("Folding token maps in needs the target's token inputs "
+                           "(calibration_features(..., target=...)).")
     geometry = translator.spec.source.cache_geometry.layers
     widths = {j: geometry[j].width for j in translator.source_layers}
     width = sum(widths.values())
     if any(features[k].shape[1] != width for k in "kv"):
         raise KvlingoError(f"Calibration features are {features['k'].shape[1]} wide; the "
                            f"translator's source layers are {width}.")
-    if len(features["k"]) < max(key_rank, value_rank):
+    inputs = width + (translator.spec.token_width if fold_tokens else 0)
+    if len(features["k"]) < min(max(key_rank, value_rank), inputs):
         raise KvlingoError(f"{len(features['k'])} calibration positions cannot fit rank "
                            f"{max(key_rank, value_rank)}: calibrate on more tokens.")
-    ranks = {"k": min(key_rank, width), "v": min(value_rank, width)}
-    out = Translator(replace(translator.spec, shared_rank=ranks))
-    out.k_tok, out.v_tok = translator.k_tok, translator.v_tok
-    errors = {}
-    for kind in "kv":
-        a, parts, errors[kind] = _factor(features[kind], _stacked(translator, kind, widths),
-                                         ranks[kind])
+    factors, errors = {}, {}
+    for kind, rank in (("k", key_rank), ("v", value_rank)):
+        x = features[kind]
+        if fold_tokens:
+            x = np.concatenate([x, features["tokens"]], axis=1)
+        a, parts, errors[kind] = _factor(x, _stacked(translator, kind, widths, fold_tokens),
+                                         rank)
+        factors[kind] = (a, parts)
+    # The ranks as factored: no more than the stacked maps have.
+    ranks = {kind: factors[kind][0].shape[1] for kind in "kv"}
+    out = Translator(replace(translator.spec, shared_rank=ranks, shared_tokens=fold_tokens))
+    if not fold_tokens:
+        out.k_tok, out.v_tok = translator.k_tok, translator.v_tok
+    for kind, (a, parts) in factors.items():
         shared = out.k_shared if kind == "k" else out.v_shared
         shared.weight = mx.array(a.T.astype(np.float32))
         for m, b in zip(out.k_maps if kind == "k" else out.v_maps, parts):
@@ -134,21 +171,28 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
     targets = [m.weight.shape[0] for m in translator.k_maps]
     before = sum(2 * sum(widths[j] for j in layers) * t
                  for layers, t in zip(translator.spec.layer_map, targets))
-    after = sum(ranks[k] * (width + sum(targets)) for k in "kv")
+    tokens = sum(2 * translator.spec.token_width * targets[i]
+                 for i in translator.spec.token_layers)
+    before += tokens
+    after = sum(ranks[k] * (inputs + sum(targets)) for k in "kv") + (0 if fold_tokens
+                                                                     else tokens)
     return out, CompressionReport(ranks["k"], ranks["v"], len(features["k"]),
                                   errors["k"], errors["v"], before, after)
 
 
 def compress_on_corpus(source: nn.Module, source_tokenizer, translator: Translator,
                        key_rank: int, value_rank: int, corpus: str = "stdlib",
-                       tokens: int = 8192, window: int = 512):
+                       tokens: int = 8192, window: int = 512,
+                       target: Optional[nn.Module] = None):
     """:func:`compress_translator` calibrated on ``tokens`` positions of the training
     part of ``corpus`` (data.corpus; the held-out part, which evaluations read, is
-    left out), in windows of ``window`` tokens. Returns (translator, report)."""
+    left out), in windows of ``window`` tokens; with ``target`` (same tokenizer),
+    the token maps are folded in. Returns (translator, report)."""
     train, _ = split_documents(read_corpus(corpus, source_tokenizer))
     stream = token_stream(source_tokenizer, train)
     count = max(tokens // window, 1)
     batches = token_windows(stream, window, 1, count)
     windows = [b[0].tolist() for b in batches]
-    features = calibration_features(source, windows, translator.source_layers)
-    return compress_translator(translator, features, key_rank, value_rank)
+    features = calibration_features(source, windows, translator.source_layers, target)
+    return compress_translator(translator, features, key_rank, value_rank,
+                               fold_tokens=target is not None)

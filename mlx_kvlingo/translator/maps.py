@@ -98,6 +98,9 @@ class TranslatorSpec:
     # projection of every source layer's keys / values that all maps read (see the
     # module docstring). Empty: each map reads its source layers directly.
     shared_rank: Dict[str, int] = field(default_factory=dict)
+    # A compressed translator whose projection also reads the target's token inputs
+    # (its token maps folded in: no separate token maps).
+    shared_tokens: bool = False
 
     def __post_init__(self):
         if self.token_layers and self.format_version == 1:
@@ -110,7 +113,7 @@ class TranslatorSpec:
         if not self.token_layers:  # a version-1 file, as older versions wrote it
             del d["token_layers"], d["token_width"]
         if not self.shared_rank:
-            del d["shared_rank"]
+            del d["shared_rank"], d["shared_tokens"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -146,6 +149,7 @@ class Translator(nn.Module):
             )
         if spec.shared_rank:
             union = sum(src[j].width for j in self.source_layers)
+            union += spec.token_width if spec.shared_tokens else 0
             self.k_shared = nn.Linear(union, spec.shared_rank["k"], bias=False)
             self.v_shared = nn.Linear(union, spec.shared_rank["v"], bias=False)
             k_widths = [spec.shared_rank["k"]] * len(tgt)
@@ -155,11 +159,11 @@ class Translator(nn.Module):
                                    for layers in spec.layer_map]
         self.k_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(k_widths, tgt)]
         self.v_maps = [nn.Linear(w, t.width, bias=False) for w, t in zip(v_widths, tgt)]
-        # The token maps of spec.token_layers, in that order.
-        self.k_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False)
-                      for i in spec.token_layers]
-        self.v_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False)
-                      for i in spec.token_layers]
+        # The token maps of spec.token_layers, in that order (none where a
+        # compressed translator's projection reads the token inputs itself).
+        separate = [] if spec.shared_tokens else spec.token_layers
+        self.k_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False) for i in separate]
+        self.v_tok = [nn.Linear(spec.token_width, tgt[i].width, bias=False) for i in separate]
 
     @classmethod
     def for_models(
@@ -211,12 +215,17 @@ class Translator(nn.Module):
         needed when ``spec.token_layers`` is not empty. ``keep``: per target layer,
         map only the last ``keep[i]`` positions (None: all), e.g. the rows a
         sliding-window layer keeps; that layer's output then has only those rows."""
+        if self.spec.shared_tokens:
+            return self._map_shared(keys, values, keep, self._tokens(tokens))
         out_k, out_v = self.map_sources(keys, values, keep)
         return self.add_token_terms(out_k, out_v, tokens, keep)
 
     def map_sources(self, keys: List[mx.array], values: List[mx.array],
                     keep: Optional[List] = None):
         """The maps' source terms alone (all of a translator without token layers)."""
+        if self.spec.shared_tokens:
+            raise KvlingoError("This compressed translator's projection reads the target's "
+                               "token inputs too: call the translator with tokens=.")
         if self.spec.shared_rank:
             return self._map_shared(keys, values, keep)
         out_k, out_v = [], []
@@ -226,20 +235,29 @@ class Translator(nn.Module):
         return out_k, out_v
 
     def _map_shared(self, keys: List[mx.array], values: List[mx.array],
-                    keep: Optional[List] = None):
+                    keep: Optional[List] = None, tokens: Optional[mx.array] = None):
         """map_sources of a compressed translator: one shared projection per kind,
-        over all rows, then each layer's map over the rows it keeps."""
+        over all rows (with ``spec.shared_tokens``, of the token inputs too), then
+        each layer's map over the rows it keeps."""
         union = self.source_layers
-        zk = self.k_shared(_concat([keys[j] for j in union]))
-        zv = self.v_shared(_concat([values[j] for j in union]))
+        extra = [tokens.astype(keys[union[0]].dtype)] if tokens is not None else []
+        zk = self.k_shared(_concat([keys[j] for j in union] + extra))
+        zv = self.v_shared(_concat([values[j] for j in union] + extra))
         out_k = [km(_last_rows(zk, keep, i)) for i, km in enumerate(self.k_maps)]
         out_v = [vm(_last_rows(zv, keep, i)) for i, vm in enumerate(self.v_maps)]
         return out_k, out_v
 
+    def _tokens(self, tokens: Optional[mx.array]) -> mx.array:
+        if tokens is None:
+            raise KvlingoError(
+                "This translator's maps also read the target's token embeddings: pass "
+                "tokens=models.token_inputs(...).")
+        return tokens
+
     def add_token_terms(self, out_k: List[mx.array], out_v: List[mx.array],
                         tokens: Optional[mx.array], keep: Optional[List] = None):
         """``out_k``/``out_v`` (per target layer) plus the token maps' terms."""
-        if not self.spec.token_layers:
+        if not self.spec.token_layers or self.spec.shared_tokens:
             return out_k, out_v
         if tokens is None:
             raise KvlingoError(
@@ -255,7 +273,7 @@ class Translator(nn.Module):
 
     def token_map(self, layer: int, kind: str) -> Optional[nn.Linear]:
         """Target layer ``layer``'s token map for keys ("k") or values ("v"), if any."""
-        if layer not in self.spec.token_layers:
+        if layer not in self.spec.token_layers or self.spec.shared_tokens:
             return None
         j = self.spec.token_layers.index(layer)
         return (self.k_tok if kind == "k" else self.v_tok)[j]
@@ -511,6 +529,9 @@ def _validate_spec(spec: TranslatorSpec):
     if not (isinstance(rank, dict) and (not rank or (set(rank) == {"k", "v"} and all(
             _is_count(r, 1) for r in rank.values())))):
         raise TranslatorFileError(f"invalid shared_rank {rank!r}.")
+    if not isinstance(spec.shared_tokens, bool) or (spec.shared_tokens and not (
+            rank and spec.token_layers)):
+        raise TranslatorFileError(f"invalid shared_tokens {spec.shared_tokens!r}.")
     n_source = len(spec.source.geometry["layers"])
     for i, layers in enumerate(spec.layer_map):
         if not layers or not all(_is_count(j) and j < n_source for j in layers):
