@@ -141,3 +141,31 @@ def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
     p_ids, p_off = tokenize_with_offsets(stok, plain)
     assert probe_facts(src, prefill(src, mx.array(p_ids[:-1])[None]), p_ids, plain,
                        p_off) is None
+
+
+def test_the_fact_gate_keeps_a_good_cache_and_repairs_a_bad_one(toy_pair):
+    """Below the threshold the switch is kept as it is; above it the cache is
+    re-prefilled (the native one) or its fact-like words recomputed."""
+    from mlx_kvlingo.chat.gate import guard_facts, probe_facts
+    from mlx_kvlingo.models.cache import prefill, read_layer
+    from mlx_kvlingo.switching.api import switch
+    from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+    src, stok, _, _ = toy_pair
+    ids, offsets = tokenize_with_offsets(stok, PROBE_TEXT)
+
+    def broken():
+        return switch(src, src, identity_translator(src, stok, scale=0.0), ids, native_tail=0)
+
+    score = probe_facts(src, broken().cache, ids, PROBE_TEXT, offsets).nll
+    kept, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score + 1)
+    assert d.action == "kept" and d.probe.nll == pytest.approx(score, abs=1e-4)
+    fixed, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score - 1)
+    assert d.action == "re-prefilled"
+    native = prefill(src, mx.array(ids[:-1])[None])
+    for a, b in zip(fixed.cache, native):
+        assert mx.abs(read_layer(a)[0] - read_layer(b)[0]).max().item() < 1e-4
+    more, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score - 1,
+                          recompute=0.5)
+    assert d.action == "recomputed"
+    assert abs(probe_facts(src, more.cache, ids, PROBE_TEXT, offsets).nll - score) > 1e-3

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..metrics import log_softmax, nll
 from ..models.cache import copy_cache, prefill
 from ..switching.api import SwitchResult, as_batch, switch
-from ..switching.recompute import salient_words
+from ..switching.recompute import recompute_spans, salient_spans, salient_words
 
 DEFAULT_TOKENS = 8
 DEFAULT_THRESHOLD = 0.0
@@ -209,3 +209,38 @@ def probe_facts(model: nn.Module, cache: List, tokens: Sequence[int], text: str,
         said.append(text[offsets[positions[0]][0]:offsets[positions[-1]][1]])
     return FactProbe(sum(per_word) / len(per_word), said, per_word,
                      (time.perf_counter() - t0) * 1e3)
+
+
+@dataclass
+class FactGateDecision:
+    probe: Optional[FactProbe]
+    threshold: float
+    action: str  # "kept", "recomputed" (a larger share) or "re-prefilled"
+    ms: float
+
+
+def guard_facts(target: nn.Module, result: SwitchResult, tokens: Sequence[int], text: str,
+                offsets: Sequence, threshold: float, recompute: Optional[float] = None,
+                lo: int = 1):
+    """Probe a switch's cache for its facts (:func:`probe_facts`) and act when the
+    probe's NLL exceeds ``threshold``: recompute the fact-like words up to the
+    ``recompute`` share of the context (switching.recompute), or, without it,
+    prefill the whole context instead. ``tokens``: the target's tokens of the whole
+    context (``offsets``: their characters in ``text``). Returns (the result to
+    decode from, FactGateDecision)."""
+    t0 = time.perf_counter()
+    probe = probe_facts(target, result.cache, tokens, text, offsets, lo=lo)
+    action, cache = "kept", result.cache
+    if probe is not None and probe.nll > threshold:
+        end = len(tokens) - len(result.pending)
+        if recompute:
+            spans = salient_spans(text, offsets, int(recompute * len(tokens)), lo, end)
+            recompute_spans(target, cache, tokens, spans)
+            action = "recomputed"
+        else:
+            cache = prefill(target, mx.array(list(tokens[:end]))[None])
+            mx.eval([(c.keys, c.values) for c in cache])
+            action = "re-prefilled"
+    spent = time.perf_counter() - t0
+    decision = FactGateDecision(probe, threshold, action, spent * 1e3)
+    return SwitchResult(cache, result.pending, result.translate_s + spent), decision
