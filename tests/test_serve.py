@@ -276,6 +276,29 @@ def test_the_openai_client_example_runs_against_the_server(serve):
     assert all(" 0 translated" not in t for t in turns[1:]), turns
 
 
+def test_the_coding_router_example_routes_through_auto(serve):
+    """examples/coding_router.py against a live server: every turn asks for "auto";
+    with a threshold no probe exceeds, the small model answers every turn; with one
+    every probe exceeds, the large one does, reading the conversation translated."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "coding_router.py"
+
+    def turns(srv):
+        out = subprocess.run([sys.executable, str(example), "--base-url", srv.url + "/v1",
+                              "--max-tokens", "6"], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return [line for line in out.stdout.splitlines() if line.startswith("  -> ")]
+
+    kept = turns(serve())
+    assert len(kept) == 4 and all("answered by small (kept" in t for t in kept), kept
+    escalated = turns(serve(auto=AutoRoute("small", "large", probe_tokens=4, max_entropy=-1.0)))
+    assert all("answered by large (escalated" in t for t in escalated), escalated
+    assert all(" 0 translated" not in t for t in escalated), escalated
+
+
 def test_a_client_resetting_a_kept_alive_connection_prints_no_traceback(serve, capfd):
     import socket
     import struct
