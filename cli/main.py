@@ -477,6 +477,10 @@ def switch_cmd(
         0.0, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
         "translation, on the words that look like facts (numbers, names, identifiers): "
         "what a translated cache loses first."),
+    fact_gate: Optional[float] = typer.Option(
+        None, help="Fact probe threshold (nats): the target is asked to continue the "
+        "context's most fact-like words on the switched cache, and re-prefills when their "
+        "mean NLL is above this (the translation lost them)."),
 ):
     """The source reads the prompt, its cache is translated, the target answers."""
 
@@ -508,7 +512,12 @@ def switch_cmd(
 
             judge = QualityGate(threshold=gate_threshold)
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
-                       recompute=recompute)
+                       recompute=recompute, fact_gate=fact_gate)
+        if "fact_gate" in r:
+            f = r["fact_gate"]
+            nll = "none" if f["probe_nll"] is None else f"{f['probe_nll']:.3f} nats"
+            typer.echo(f"--- fact probe: {nll} on {f['words']} (threshold {f['threshold']}): "
+                       f"{f['action']}")
         if "gate" in r:
             g = r["gate"]
             typer.echo(f"--- gate: score {g['score']:+.3f} nats (threshold {g['threshold']:+.3f}) "

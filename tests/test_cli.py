@@ -107,6 +107,21 @@ def test_switch_gate_keeps_or_replaces_the_translation(fitted_translator, toy_pa
     assert re.search(r"answers agree on the first (\d+) of \1 tokens", fired)
 
 
+def test_switch_fact_gate_keeps_or_re_prefills(fitted_translator, toy_pair_dirs):
+    src, tgt = toy_pair_dirs
+    prompt = ("The clerk said the locker code is 58213 and that parse_cfg_v2 reads it. "
+              "Return a new list containing all items from the iterable.")
+    outs = {}
+    for threshold in ("100", "-100"):  # never fires / always fires
+        outs[threshold] = run_cli(
+            "switch", "--source", src, "--target", tgt, "--translator", fitted_translator,
+            "--prompt", prompt, "--max-tokens", "8", "--compare", "--fact-gate",
+            threshold).stdout
+    assert re.search(r"fact probe: [\d.]+ nats on \[.*58213.*\].*: kept", outs["100"])
+    assert "re-prefilled" in outs["-100"]
+    assert re.search(r"answers agree on the first (\d+) of \1 tokens", outs["-100"])
+
+
 def test_switch_refuses_a_translator_for_other_models(fitted_translator, toy_pair_dirs):
     src, tgt = toy_pair_dirs
     # Swapped roles: geometry differs, so the translator must be refused.

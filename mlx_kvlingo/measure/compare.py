@@ -8,11 +8,12 @@ first step, the re-prefill's is mlx-lm's ``stream_generate`` from the tokens.
 
 import statistics
 import time
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
-from ..chat.gate import judge_switch
+from ..chat.gate import guard_facts, judge_switch
 from ..models.cache import prefill
 from ..switching.api import switch, switch_text
 from ..switching.generate import generate_after_switch
@@ -34,12 +35,14 @@ def first_token_time(responses):
 
 
 def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
-               gate=None, recompute: float = 0.0):
+               gate=None, recompute: float = 0.0, fact_gate: Optional[float] = None):
     """Switch a context from src to tgt and generate; optionally re-prefill too.
 
     ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
     QualityGate judging the switch (its native tail, at least ``gate.tokens``).
     ``recompute``: the share of the context the target recomputes on fact-like words.
+    ``fact_gate``: a threshold for the switched cache's fact probe
+    (chat.gate.guard_facts), above which the target re-prefills instead.
     Returns a dict of timings (medians over ``repeats``) and the answers.
     """
     tail = translator.spec.native_tail if gate is None else max(
@@ -48,6 +51,7 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
         tokenized = tokenize_with_offsets(src_tok, context)  # the source reads these
         a = align_text(src_tok, tgt_tok, context, translator.spec.native_prefix, tokenized)
         source_tokens, target_tokens = a.source_tokens, a.target_tokens
+        text = (context, a.target_offsets)
 
         def translate(source_cache):
             return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
@@ -56,10 +60,9 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens
 
-        text = None
-        if recompute:  # the text the fact-like words are found in
-            text = ((context, tokenize_with_offsets(src_tok, context)[1])
-                    if isinstance(context, str) else token_offsets(src_tok, tokens))
+        # The text the fact-like words are found in.
+        text = ((context, tokenize_with_offsets(src_tok, context)[1])
+                if isinstance(context, str) else token_offsets(src_tok, tokens))
 
         def translate(source_cache):
             return switch(src, tgt, translator, tokens, source_cache=source_cache,
@@ -69,8 +72,16 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     specials = target_tokens[:1] if bos is not None and target_tokens[0] == bos else []
     decisions = []
 
+    facts = []
+
     def do_switch(source_cache):
         result = translate(source_cache)
+        if fact_gate is not None:
+            result, decision = guard_facts(tgt, result, target_tokens, text[0], text[1],
+                                           fact_gate, lo=translator.spec.native_prefix)
+            facts.append(decision)
+            if decision.action == "re-prefilled":
+                return result
         if gate is None:
             return result
         result, decision = judge_switch(tgt, result, target_tokens, gate, specials, [translator])
@@ -103,6 +114,10 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     }
     if decisions and decisions[-1] is not None:
         out["gate"] = decisions[-1].to_dict()
+    if facts:
+        probe = facts[-1].probe
+        out["fact_gate"] = {"action": facts[-1].action, "threshold": fact_gate,
+                            "probe_nll": probe and probe.nll, "words": probe and probe.words}
     if compare:
         out.update(
             prefill_ttft_s=statistics.median(prefill_times),
