@@ -3,7 +3,11 @@ against a re-prefill of the target, interleaved in one process (the shipped
 SmolLM2 <-> Gemma 3 translators, their 16-token native tail, Austen text).
 
     python benchmarks/switch_cost_recompute.py [--tokens 550,2048] [--recompute 0.1] \
-        [--rounds 3] [--json benchmarks/results/switch-cost-recompute.json] [--note "..."]
+        [--rounds 3] [--json benchmarks/results/switch-cost-recompute.json] [--note "..."] \
+        [--s2g OTHER.safetensors] [--g2s OTHER.safetensors]
+
+``--s2g`` / ``--g2s``: other translator files (e.g. compressed ones) timed beside the shipped
+ones in the same interleaved rounds.
 
 Run it on an idle machine with one BLAS thread: the ratios are what it is for.
 """
@@ -23,11 +27,15 @@ from mlx_kvlingo.pairs.shipped import load_shipped
 from mlx_kvlingo.switching.api import switch_text
 from mlx_kvlingo.switching.generate import first_step
 from mlx_kvlingo.translator.align import tokenize_with_offsets
+from mlx_kvlingo.translator.maps import load_translator
 
 
-def time_direction(source, target, lengths, shares, rounds):
+def time_direction(source, target, lengths, shares, rounds, files=()):
+    """Each translator (the shipped one, then ``files``) with each recompute share,
+    and the re-prefill, interleaved."""
     src, stok, tgt, ttok = load_pair(source, target)
-    translator = load_shipped(source, target)
+    translators = {"": load_shipped(source, target)}
+    translators.update({f" [{Path(f).stem}]": load_translator(f) for f in files})
     out = {}
     for n in lengths:
         text = austen_text(ttok, n)
@@ -36,7 +44,7 @@ def time_direction(source, target, lengths, shares, rounds):
         mx.eval([(c.keys, c.values) for c in cache])
         ids = mx.array(tokenize_with_offsets(ttok, text)[0])[None]
 
-        def switched(share):
+        def switched(translator, share):
             res = switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
                               native_tail=16, source_tokens=source_tokens, recompute=share)
             first_step(tgt, res)
@@ -45,8 +53,11 @@ def time_direction(source, target, lengths, shares, rounds):
             c = prefill(tgt, ids[:, :-1])
             mx.eval(last_logits(tgt, ids[:, -1:], c))
 
-        runs = {"switch": lambda: switched(0.0), "re-prefill": reprefill}
-        runs.update({f"switch + recompute {s:.0%}": (lambda s=s: switched(s)) for s in shares})
+        runs = {"re-prefill": reprefill}
+        for name, t in translators.items():
+            runs[f"switch{name}"] = lambda t=t: switched(t, 0.0)
+            runs.update({f"switch + recompute {s:.0%}{name}": (lambda t=t, s=s: switched(t, s))
+                         for s in shares})
         med = interleaved_medians(runs, rounds)
         out[n] = {"tokens": ids.shape[1], "median_s": med,
                   "over_reprefill": {k: v / med["re-prefill"] for k, v in med.items()}}
@@ -61,11 +72,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--note", default="", help="Conditions of the run, kept in the JSON.")
+    ap.add_argument("--s2g", action="append", default=[],
+                    help="Another SmolLM2 -> Gemma 3 translator file to time beside the shipped")
+    ap.add_argument("--g2s", action="append", default=[],
+                    help="Another Gemma 3 -> SmolLM2 translator file to time beside the shipped")
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
     shares = [float(x) for x in args.recompute.split(",") if x]
-    out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds)
-           for s, t in [("smollm2", "gemma3"), ("gemma3", "smollm2")]}
+    out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds, files)
+           for s, t, files in [("smollm2", "gemma3", args.s2g), ("gemma3", "smollm2", args.g2s)]}
     out.update(conditions=args.note, environment=environment())
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
