@@ -84,3 +84,38 @@ def test_eval_recall_scores_the_shipped_translator_against_its_baselines(tmp_pat
     assert summary["native"]["exact"]["value"] >= summary["none"]["exact"]["value"]
     assert summary["native"]["answer_nll"]["value"] < summary["none"]["answer_nll"]["value"]
     assert all(len(v) == 4 for v in json.loads(out.read_text())["scores"].values())
+
+
+QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+@pytest.mark.parametrize("source, target", [QWEN, QWEN[::-1]])
+def test_shipped_qwen_translators_fit_their_models(source, target):
+    """Compressed (token maps folded in), for one tokenizer, reading the models'
+    geometry; loading checks every tensor's shape against the metadata."""
+    from mlx_kvlingo.models.load import load
+
+    t = load_translator(shipped_translator(source, target))
+    assert t.spec.shared_rank and t.spec.shared_tokens and not t.cross_tokenizer
+    (src, stok), (tgt, ttok) = load(source), load(target)
+    t.check_models(src, tgt, stok, ttok)
+
+
+def test_switch_between_the_qwen_models_needs_no_training(tmp_path):
+    """`switch --source qwen2.5-coder-0.5b --target qwen2.5-coder-1.5b --prompt-file f.py
+    --compare` runs on the shipped translator: no fit, both answers and both times."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = tmp_path / "f.py"
+    code.write_text("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+                    "    return total / len(values)\n\n# What does mean([2, 4]) return?\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_kvlingo_cli.main", "switch", "--source", QWEN[0],
+         "--target", QWEN[1], "--prompt-file", str(code), "--max-tokens", "6", "--compare"],
+        capture_output=True, text=True, timeout=1200, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Fitting" not in proc.stdout + proc.stderr
+    assert re.search(r"switch is [\d.]+x faster", proc.stdout)

@@ -7,6 +7,11 @@ format version 2; SmolLM2 -> Gemma 3: 18 source layers per map; Gemma 3 -> SmolL
 benchmarks/results/fidelity-recipe-s2g.md)
 ship as 8-bit files (maps quantized group-wise, loaded back as float32) with their
 evaluation in the metadata, so a switch between them needs no training step.
+
+``fetch-models qwen`` gets Qwen2.5-Coder 0.5B and 1.5B Instruct (one tokenizer); the
+translators between them are stage-1 fits (12 source layers per map chosen by held-out
+KL, token maps on every layer), compressed with their token maps folded into one shared
+projection per kind (format version 3) and stored in 8 bits (docs/training.md).
 """
 
 from pathlib import Path
@@ -20,6 +25,8 @@ ASSETS = files.ASSETS / "translators"
 SHIPPED = {
     ("smollm2", "gemma3"): "smollm2-to-gemma3.safetensors",
     ("gemma3", "smollm2"): "gemma3-to-smollm2.safetensors",
+    ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"): "qwen2.5-coder-0.5b-to-1.5b.safetensors",
+    ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"): "qwen2.5-coder-1.5b-to-0.5b.safetensors",
 }
 # Pairs whose gate threshold below was calibrated (others keep the gate's default).
 GATE_CALIBRATED = {("smollm2", "gemma3"), ("gemma3", "smollm2")}
@@ -65,7 +72,7 @@ def translator_for(source: str, target: str, given: Optional[Path]):
     if shipped is None:
         pairs = ", ".join(f"--source {s} --target {t}" for s, t in SHIPPED)
         raise KvlingoError(
-            "Give --translator: translators ship only for the real pair fetched by "
-            f"`mlx-kvlingo fetch-models` ({pairs})."
+            "Give --translator: translators ship only for the real pairs fetched by "
+            f"`mlx-kvlingo fetch-models` and `fetch-models qwen` ({pairs})."
         )
     return shipped
