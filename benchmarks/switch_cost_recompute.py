@@ -1,10 +1,13 @@
 """Time to first token of a switch with and without recomputing fact-like words,
-against a re-prefill of the target, interleaved in one process (the shipped
-SmolLM2 <-> Gemma 3 translators, their 16-token native tail, Austen text).
+against a re-prefill of the target, interleaved in one process (shipped translators,
+by default SmolLM2 <-> Gemma 3 with their 16-token native tail; Austen text).
 
     python benchmarks/switch_cost_recompute.py [--tokens 550,2048] [--recompute 0.1] \
         [--rounds 3] [--json benchmarks/results/switch-cost-recompute.json] [--note "..."] \
         [--s2g OTHER.safetensors] [--g2s OTHER.safetensors]
+
+    python benchmarks/switch_cost_recompute.py --pairs qwen2.5-coder-0.5b:qwen2.5-coder-1.5b \
+        --tokens 512,2048 --recompute 0,0.1 --rounds 2
 
 ``--s2g`` / ``--g2s``: other translator files (e.g. compressed ones) timed beside the shipped
 ones in the same interleaved rounds.
@@ -30,7 +33,7 @@ from mlx_kvlingo.translator.align import tokenize_with_offsets
 from mlx_kvlingo.translator.maps import load_translator
 
 
-def time_direction(source, target, lengths, shares, rounds, files=()):
+def time_direction(source, target, lengths, shares, rounds, files=(), native_tail=None):
     """Each translator (the shipped one, then ``files``) with each recompute share,
     and the re-prefill, interleaved."""
     src, stok, tgt, ttok = load_pair(source, target)
@@ -46,7 +49,8 @@ def time_direction(source, target, lengths, shares, rounds, files=()):
 
         def switched(translator, share):
             res = switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
-                              native_tail=16, source_tokens=source_tokens, recompute=share)
+                              native_tail=native_tail, source_tokens=source_tokens,
+                              recompute=share)
             first_step(tgt, res)
 
         def reprefill():
@@ -76,11 +80,18 @@ def main():
                     help="Another SmolLM2 -> Gemma 3 translator file to time beside the shipped")
     ap.add_argument("--g2s", action="append", default=[],
                     help="Another Gemma 3 -> SmolLM2 translator file to time beside the shipped")
+    ap.add_argument("--pairs", default="smollm2:gemma3,gemma3:smollm2",
+                    help="SOURCE:TARGET pairs with shipped translators, comma-separated")
+    ap.add_argument("--native-tail", type=int, default=None,
+                    help="default: each translator's own (16 for SmolLM2 <-> Gemma 3)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
     shares = [float(x) for x in args.recompute.split(",") if x]
-    out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds, files)
-           for s, t, files in [("smollm2", "gemma3", args.s2g), ("gemma3", "smollm2", args.g2s)]}
+    others = {("smollm2", "gemma3"): args.s2g, ("gemma3", "smollm2"): args.g2s}
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
+    out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds, others.get((s, t), ()),
+                                       args.native_tail)
+           for s, t in pairs}
     out.update(conditions=args.note, environment=environment())
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
