@@ -7,7 +7,7 @@ by default SmolLM2 <-> Gemma 3 with their 16-token native tail; Austen text).
         [--s2g OTHER.safetensors] [--g2s OTHER.safetensors]
 
     python benchmarks/switch_cost_recompute.py --pairs qwen2.5-coder-0.5b:qwen2.5-coder-1.5b \
-        --tokens 512,2048 --recompute 0,0.1 --rounds 2
+        --tokens 512,2048 --recompute 0.1 --rounds 2
 
 ``--s2g`` / ``--g2s``: other translator files (e.g. compressed ones) timed beside the shipped
 ones in the same interleaved rounds.
