@@ -3,12 +3,15 @@ answers ("what does this program print?", `mlx_kvlingo/data/code_questions.py`),
 often the small model is unsure, and what sending those turns to the large model
 (which reads the question translated from the small one's cache) costs and buys.
 
-Every question runs through the server's own routing code (`ConversationStore`, no
-HTTP) three ways: the small model answers; the large one answers after the small
-one's probe (the escalation path: probe, switch, answer); the large one answers
-after a re-prefill (no translator: what the switch saves and what it may lose).
-Then, for thresholds over the small model's probe entropies, the share of turns
-routed, their accuracy and the mean time per turn.
+Every question is a fresh conversation, answered three ways: by the small model
+(through the server's own routing code, `ConversationStore` with model "auto" and a
+threshold that never escalates: its answer, the mean entropy of its first
+``--probe`` tokens, and whether it had finished by then); by the large model after
+the small one's probe, reading the question translated from the small one's cache
+(the escalation path); and by the large model after a re-prefill (no translator).
+Then, for thresholds over the probe entropies, the share of turns the server would
+route (entropy above the threshold and the small answer not already finished within
+the probe), their accuracy and the mean time per turn.
 
     python benchmarks/auto_route.py --small qwen2.5-coder-0.5b --large qwen2.5-coder-1.5b \
         --translator q05-to-q15.safetensors --questions 60 --json out.json
@@ -19,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from mlx_kvlingo.chat.session import Session
@@ -28,6 +32,24 @@ from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import translator_for
 from mlx_kvlingo.serve.conversations import AUTO, AutoRoute, ConversationStore, TurnRequest
+
+
+def escalated(session: Session, prompt: str, probe: int, max_tokens: int) -> dict:
+    """The escalation path on a fresh conversation: the small model reads the
+    question and writes ``probe`` tokens, the probe is dropped, and the large model
+    answers, catching up on the question (translated when ``session`` has a
+    translator, prefilled when not)."""
+    t0 = time.perf_counter()
+    stream = session.generate("small", [{"role": "user", "content": prompt}], max_tokens,
+                              stream=True)
+    for n, _ in enumerate(stream, 1):
+        if n >= probe:
+            break
+    stream.close()
+    session.truncate(len(session.messages) - 1)
+    report = session.generate("large", None, max_tokens)
+    return {"text": report.text, "total_s": time.perf_counter() - t0,
+            "translated": report.translated, "ttft_s": report.ttft_s}
 
 
 def ask(store: ConversationStore, model: str, prompt: str, max_tokens: int) -> dict:
@@ -48,7 +70,7 @@ def sweep(rows, thresholds):
     """Route share, accuracy and mean time per turn for each entropy threshold."""
     out = []
     for t in thresholds:
-        routed = [r["entropy"] > t for r in rows]
+        routed = [r["entropy"] > t and not r["finished_in_probe"] for r in rows]
         right = [r["large_right"] if x else r["small_right"] for r, x in zip(rows, routed)]
         secs = [r["large_s"] if x else r["small_s"] for r, x in zip(rows, routed)]
         acc = mean_interval([float(v) for v in right])
@@ -74,15 +96,14 @@ def main():
     switched = Session(models, {("small", "large"): translator})
     prefilled = Session(models)  # no translator: the large model prefills
     small_only = ConversationStore(switched, auto=AutoRoute("small", "large", args.probe, 1e9))
-    escalate = ConversationStore(switched, auto=AutoRoute("small", "large", args.probe, -1.0))
-    reprefill = ConversationStore(prefilled, auto=AutoRoute("small", "large", args.probe, -1.0))
     rows = []
     for i, q in enumerate(code_questions(args.questions, args.seed)):
         s = ask(small_only, AUTO, q.prompt, args.max_tokens)
-        g = ask(escalate, AUTO, q.prompt, args.max_tokens)
-        p = ask(reprefill, AUTO, q.prompt, args.max_tokens)
+        g = escalated(switched.fresh(), q.prompt, args.probe, args.max_tokens)
+        p = escalated(prefilled.fresh(), q.prompt, args.probe, args.max_tokens)
         rows.append({"kind": q.kind, "code": q.code, "answer": q.answer,
                      "entropy": s["route"]["entropy"],
+                     "finished_in_probe": s["route"]["probe_tokens"] < args.probe,
                      "small": s["text"], "small_right": answered(s["text"], q.answer),
                      "small_s": s["total_s"],
                      "large": g["text"], "large_right": answered(g["text"], q.answer),
