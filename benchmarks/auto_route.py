@@ -89,11 +89,14 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--probe", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--recompute", type=float, default=0.0,
+                    help="share of a catch-up the large model recomputes on fact-like words "
+                    "(Session(recompute=...), serve --recompute)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     models = {"small": load(args.small), "large": load(args.large)}
     translator = translator_for(args.small, args.large, args.translator)
-    switched = Session(models, {("small", "large"): translator})
+    switched = Session(models, {("small", "large"): translator}, recompute=args.recompute)
     prefilled = Session(models)  # no translator: the large model prefills
     small_only = ConversationStore(switched, auto=AutoRoute("small", "large", args.probe, 1e9))
     rows = []
