@@ -7,8 +7,8 @@ back. Their own K/V depend on everything before them, so each selected *span* of
 positions a..b-1 is recomputed with its queries attending to the cache before a
 (translated, or recomputed by an earlier span) and to the span itself; its new K/V
 replace the translated ones. All spans go through the target in one pass, as one
-batch: n recomputed positions of a T-token context cost about n / T of a
-re-prefill, plus one pass's fixed overhead.
+sequence whose tokens are each roped at their own position: n recomputed positions
+of a T-token context cost about n / T of a re-prefill, plus one pass's fixed overhead.
 
 Sliding-window layers attend to the positions before a that the translated cache
 still holds (a switch keeps only a window's worth); a span older than that sees
@@ -18,6 +18,7 @@ only itself, and the recomputed positions within its window, in those layers.
 import bisect
 import re
 import time
+from contextlib import contextmanager
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import KvlingoError
+from ..models.rope import RopeTables, apply_rope_tables
 
 Span = Tuple[int, int]
 
@@ -33,72 +35,68 @@ class _PassView:
     """One layer cache as the target's layers see it during the single pass that
     recomputes every selected position at once.
 
-    The spans are the pass's batch rows (padded to the longest), each roped from its
-    own first position (``offset``, one per row). The layer's keys and values are
-    laid out by position, 0..end-1 (a sliding-window layer's unheld positions are
-    zeros and masked); the pass's new rows are written over their positions before
-    the attention, and every query attends to the positions up to its own. So a
+    The selected positions are read as one sequence, each token roped at its own
+    position (:class:`_PositionedRope`). The layer's keys and values are laid out
+    by position, 0..end-1 (a sliding-window layer's unheld positions are zeros and
+    masked); the pass's new rows are written over their positions before the
+    attention, and every query attends to the positions up to its own. So a
     selected position sees the translated rows before it and the recomputed ones
     (at the same layer, from this very pass), exactly what recomputing the spans
     one after the other gives, in one pass over the weights."""
 
-    def __init__(self, keys: mx.array, values: mx.array, held: mx.array, batch: "_Batch"):
+    offset = 0  # unused: _PositionedRope ropes every token at its own position
+
+    def __init__(self, keys: mx.array, values: mx.array, held: mx.array, positions: mx.array,
+                 selected: mx.array):
         self.keys, self.values = keys, values  # [1, H, end, D], by position
         self.held = held  # [end] bool: positions this layer has rows for
-        self.batch = batch
-        self.offset = batch.starts
-        self.new_keys = self.new_values = None  # [1, H, n, D] at batch.positions
+        self.positions = positions  # [n] the selected positions, in order
+        self.selected = selected  # [end] bool
+        self.new_keys = self.new_values = None  # [1, H, n, D]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.new_keys = self.batch.selected(keys)
-        self.new_values = self.batch.selected(values)
+        self.new_keys, self.new_values = keys, values
         k, v = self.keys, self.values
-        k[:, :, self.batch.positions] = self.new_keys.astype(k.dtype)
-        v[:, :, self.batch.positions] = self.new_values.astype(v.dtype)
-        shape = (keys.shape[0],) + k.shape[1:]
-        return mx.broadcast_to(k, shape), mx.broadcast_to(v, shape)
+        k[:, :, self.positions] = keys.astype(k.dtype)
+        v[:, :, self.positions] = values.astype(v.dtype)
+        return k, v
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
-        end = self.keys.shape[2]
-        query = self.batch.query_positions[:, None, :, None]  # [B, 1, L, 1]
-        key = mx.arange(end)[None, None, None, :]
-        visible = self.held | self.batch.selected_mask
-        allowed = (key <= query) & visible[None, None, None, :]
+        query = self.positions[:, None]
+        key = mx.arange(self.keys.shape[2])[None]
+        allowed = (key <= query) & (self.held | self.selected)[None]
         if window_size is not None:
             allowed = allowed & (query - key < window_size)
         return allowed
 
 
-class _Batch:
-    """The selected spans as one padded batch: row i holds span i's tokens."""
+class _PositionedRope(nn.Module):
+    """A layer's rope applied at given positions, one per token (mlx's rope takes one
+    offset per sequence): its own cos/sin tables (models.rope), gathered."""
 
-    def __init__(self, tokens: Sequence[int], spans: Sequence[Span], end: int):
-        width = max(b - a for a, b in spans)
-        rows, query, flat = [], [], []
-        for i, (a, b) in enumerate(spans):
-            n = b - a
-            rows.append(list(tokens[a:b]) + [tokens[b - 1]] * (width - n))
-            # Padding rows ask as the span's last position (a mask with something
-            # in it); their keys and values are dropped.
-            query.append(list(range(a, b)) + [b - 1] * (width - n))
-            flat += [i * width + t for t in range(n)]
-        self.tokens = mx.array(rows)
-        self.starts = mx.array([a for a, _ in spans])
-        self.query_positions = mx.array(query)
-        self.flat = mx.array(flat)  # the real (row, column) cells, flattened
-        positions = [p for a, b in spans for p in range(a, b)]
-        self.positions = mx.array(positions)
-        selected = [False] * end
-        for p in positions:
-            selected[p] = True
-        self.selected_mask = mx.array(selected)
+    def __init__(self, rope: nn.Module, tables: mx.array):
+        super().__init__()
+        self.rope, self.tables = rope, tables
 
-    def selected(self, x: mx.array) -> mx.array:
-        """[B, H, L, D] per-cell rows -> [1, H, n, D] of the real cells, in position
-        order."""
-        B, H, L, D = x.shape
-        cells = x.transpose(1, 0, 2, 3).reshape(H, B * L, D)
-        return cells[:, self.flat][None]
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        return apply_rope_tables(x, self.tables, self.rope)
+
+
+@contextmanager
+def _roped_at(target: nn.Module, positions: mx.array, end: int):
+    """Within the block every attention layer of ``target`` ropes token i at
+    ``positions[i]``; the layers' own ropes are put back after it."""
+    layers = [layer.self_attn for layer in target.layers]
+    tables = RopeTables(target)
+    originals = [attn.rope for attn in layers]
+    try:
+        for i, attn in enumerate(layers):
+            t = tables(i, 0, end, tables.layers[i].head_dim)
+            attn.rope = _PositionedRope(originals[i], t[positions])
+        yield
+    finally:
+        for attn, rope in zip(layers, originals):
+            attn.rope = rope
 
 
 def _rotating_rows(c, lo: int, hi: int) -> List[Tuple[int, int, int]]:
@@ -177,12 +175,15 @@ def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
         if b > nxt[0]:
             raise KvlingoError(f"Spans to recompute overlap: {a}..{b - 1} and "
                                f"{nxt[0]}..{nxt[1] - 1}.")
-    batch = _Batch(tokens, spans, end)
-    views = [_PassView(*_by_position(c, end), batch) for c in cache]
-    target.model(batch.tokens, cache=views)
-    positions = [p for a, b in spans for p in range(a, b)]
+    chosen = [p for a, b in spans for p in range(a, b)]
+    positions = mx.array(chosen)
+    selected = mx.zeros((end,), dtype=mx.bool_)
+    selected[positions] = True
+    views = [_PassView(*_by_position(c, end), positions, selected) for c in cache]
+    with _roped_at(target, positions, end):
+        target.model(mx.array([[tokens[p] for p in chosen]]), cache=views)
     for c, view in zip(cache, views):
-        _write_rows(c, view.new_keys, view.new_values, positions, end)
+        _write_rows(c, view.new_keys, view.new_values, chosen, end)
     mx.eval([(c.keys, c.values) for c in cache])
     return time.perf_counter() - t0
 
