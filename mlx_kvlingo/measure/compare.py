@@ -60,9 +60,10 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens
 
-        # The text the fact-like words are found in.
-        text = ((context, tokenize_with_offsets(src_tok, context)[1])
-                if isinstance(context, str) else token_offsets(src_tok, tokens))
+        text = None
+        if recompute or fact_gate is not None:  # the text the fact-like words are found in
+            text = ((context, tokenize_with_offsets(src_tok, context)[1])
+                    if isinstance(context, str) else token_offsets(src_tok, tokens))
 
         def translate(source_cache):
             return switch(src, tgt, translator, tokens, source_cache=source_cache,
