@@ -90,16 +90,21 @@ def test_compress_writes_a_cheaper_translator_that_switches(fitted_translator, t
     assert bad.returncode != 0 and "not the source model" in bad.stderr + bad.stdout
 
 
+def switch_at_thresholds(translator, dirs, prompt, *gate):
+    """`switch --compare` with a gate option at a threshold that never fires ("100")
+    and one that always fires ("-100"): {threshold: stdout}."""
+    src, tgt = dirs
+    return {threshold: run_cli("switch", "--source", src, "--target", tgt, "--translator",
+                               translator, "--prompt", prompt, "--max-tokens", "8",
+                               "--compare", *gate, threshold).stdout
+            for threshold in ("100", "-100")}
+
+
 def test_switch_gate_keeps_or_replaces_the_translation(fitted_translator, toy_pair_dirs):
-    src, tgt = toy_pair_dirs
     prompt = ("Return a new list containing all items from the iterable in ascending "
               "order, and close the file when done.")
-    outs = {}
-    for threshold in ("100", "-100"):  # never fires / always fires
-        outs[threshold] = run_cli(
-            "switch", "--source", src, "--target", tgt, "--translator", fitted_translator,
-            "--prompt", prompt, "--max-tokens", "8", "--compare", "--gate",
-            "--gate-threshold", threshold).stdout
+    outs = switch_at_thresholds(fitted_translator, toy_pair_dirs, prompt, "--gate",
+                                "--gate-threshold")
     assert re.search(r"gate: score [-+][\d.]+ nats .* on 7 tokens: translation kept", outs["100"])
     fired = outs["-100"]
     assert "re-prefilled: gate: the translated context predicts" in fired
@@ -108,15 +113,9 @@ def test_switch_gate_keeps_or_replaces_the_translation(fitted_translator, toy_pa
 
 
 def test_switch_fact_gate_keeps_or_re_prefills(fitted_translator, toy_pair_dirs):
-    src, tgt = toy_pair_dirs
     prompt = ("The clerk said the locker code is 58213 and that parse_cfg_v2 reads it. "
               "Return a new list containing all items from the iterable.")
-    outs = {}
-    for threshold in ("100", "-100"):  # never fires / always fires
-        outs[threshold] = run_cli(
-            "switch", "--source", src, "--target", tgt, "--translator", fitted_translator,
-            "--prompt", prompt, "--max-tokens", "8", "--compare", "--fact-gate",
-            threshold).stdout
+    outs = switch_at_thresholds(fitted_translator, toy_pair_dirs, prompt, "--fact-gate")
     assert re.search(r"fact probe: [\d.]+ nats on \[.*58213.*\].*: kept", outs["100"])
     assert "re-prefilled" in outs["-100"]
     assert re.search(r"answers agree on the first (\d+) of \1 tokens", outs["-100"])

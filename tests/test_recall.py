@@ -2,7 +2,7 @@
 
 
 import pytest
-from tiny import identity_translator, tiny_model
+from tiny import FILLER, identity_translator, tiny_model
 
 from mlx_kvlingo.data.recall import KINDS, TEMPLATES, recall_items
 from mlx_kvlingo.errors import KvlingoError
@@ -20,8 +20,6 @@ from mlx_kvlingo.measure.recall import (
     truncated_ids,
 )
 
-FILLER = [" ".join(f"Sentence {i} of paragraph {p} says little of note." for i in range(12))
-          for p in range(60)]
 
 
 def words(text):

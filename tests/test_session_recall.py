@@ -1,7 +1,7 @@
 """A fact recalled across a conversation that changes models (measure.session_recall)."""
 
 import pytest
-from tiny import identity_translator
+from tiny import FILLER, identity_translator
 
 from mlx_kvlingo.data.recall import recall_items
 from mlx_kvlingo.errors import KvlingoError
@@ -13,8 +13,6 @@ from mlx_kvlingo.measure.session_recall import (
     pieces,
 )
 
-FILLER = [" ".join(f"Sentence {i} of paragraph {p} says little of note." for i in range(12))
-          for p in range(60)]
 
 
 def items(tokenizer, count=3):

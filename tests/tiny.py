@@ -70,3 +70,8 @@ def native_greedy(model, tok, tokens, n):
 def user(text):
     """A user chat message."""
     return {"role": "user", "content": text}
+
+
+# Recall items' filler text: plain sentences with nothing to remember.
+FILLER = [" ".join(f"Sentence {i} of paragraph {p} says little of note." for i in range(12))
+          for p in range(60)]

@@ -57,14 +57,22 @@ def answer_split(tokenizer, cue: str, answer: str) -> Tuple[List[int], int]:
     return whole, len(head)
 
 
-def score_read(logprobs: mx.array, ids: Sequence[int], cue_len: int, seconds: float,
-               said_text: str, read: int) -> RecallScore:
-    """A teacher-forced read of cue + answer: exact when every answer token is the
-    argmax, with the answer's mean NLL."""
-    lp = logprobs[None, cue_len:]
-    target = mx.array([list(ids[cue_len:])])
-    exact = bool(mx.all(mx.argmax(lp, axis=-1) == target).item())
-    return RecallScore(exact, nll(lp, target).mean().item(), seconds, said_text, read)
+def score_answer(answer_lp: mx.array, answer_ids: Sequence[int], tokenizer, seconds: float,
+                 read: int) -> RecallScore:
+    """A teacher-forced answer (``answer_lp``: the log-probabilities [n, vocab] that
+    predicted its n tokens): exact when every answer token is the argmax (what greedy
+    decoding would produce), with the answer's mean NLL and the argmax text."""
+    guess = mx.argmax(answer_lp, axis=-1)
+    target = mx.array(list(answer_ids))
+    exact = bool(mx.all(guess == target).item())
+    answer_nll = nll(answer_lp[None], target[None]).mean().item()
+    return RecallScore(exact, answer_nll, seconds, tokenizer.decode(guess.tolist()), read)
+
+
+def _timed_read(session: Session, model: str, ids: Sequence[int]):
+    t0 = time.perf_counter()
+    logprobs = session.read(model, ids)
+    return logprobs, time.perf_counter() - t0
 
 
 def run_item(make: Callable[[], Session], a: str, b: str, item: RecallItem) -> RecallScore:
@@ -77,11 +85,9 @@ def run_item(make: Callable[[], Session], a: str, b: str, item: RecallItem) -> R
     session.read(a, p3)
     tokenizer = session.tokenizer_of(b)
     ids, cue_len = answer_split(tokenizer, item.cue, item.answer)
-    t0 = time.perf_counter()
-    logprobs = session.read(b, ids)
-    seconds = time.perf_counter() - t0
-    guess = tokenizer.decode(mx.argmax(logprobs[cue_len:], axis=-1).tolist())
-    return score_read(logprobs, ids, cue_len, seconds, guess, session.reports[-1].context_tokens)
+    logprobs, seconds = _timed_read(session, b, ids)  # one row per token read
+    return score_answer(logprobs[cue_len:], ids[cue_len:], tokenizer, seconds,
+                        session.reports[-1].context_tokens)
 
 
 def cue_only(session: Session, b: str, item: RecallItem) -> RecallScore:
@@ -89,15 +95,10 @@ def cue_only(session: Session, b: str, item: RecallItem) -> RecallScore:
     tokenizer = session.tokenizer_of(b)
     ids, cue_len = answer_split(tokenizer, item.cue, item.answer)
     specials = tokenizer.encode("", add_special_tokens=True)
-    t0 = time.perf_counter()
-    logprobs = session.read(b, specials + ids)
-    seconds = time.perf_counter() - t0
-    # The session drops the first position's log-probs (nothing precedes it).
+    logprobs, seconds = _timed_read(session, b, specials + ids)
+    # The conversation's first read has no row for its first token (nothing precedes it).
     offset = len(specials) + cue_len - 1
-    lp, target = logprobs[None, offset:], mx.array([ids[cue_len:]])
-    exact = bool(mx.all(mx.argmax(lp, axis=-1) == target).item())
-    guess = tokenizer.decode(mx.argmax(logprobs[offset:], axis=-1).tolist())
-    return RecallScore(exact, nll(lp, target).mean().item(), seconds, guess, len(specials))
+    return score_answer(logprobs[offset:], ids[cue_len:], tokenizer, seconds, len(specials))
 
 
 def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a: str, b: str,

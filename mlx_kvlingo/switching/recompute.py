@@ -89,10 +89,13 @@ def _roped_at(target: nn.Module, positions: mx.array, end: int):
     layers = [layer.self_attn for layer in target.layers]
     tables = RopeTables(target)
     originals = [attn.rope for attn in layers]
+    gathered = {}  # one gather per distinct table (most models: one rope for all layers)
     try:
         for i, attn in enumerate(layers):
             t = tables(i, 0, end, tables.layers[i].head_dim)
-            attn.rope = _PositionedRope(originals[i], t[positions])
+            if id(t) not in gathered:
+                gathered[id(t)] = t[positions]
+            attn.rope = _PositionedRope(originals[i], gathered[id(t)])
         yield
     finally:
         for attn, rope in zip(layers, originals):
