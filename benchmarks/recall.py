@@ -45,7 +45,12 @@ def main(argv=None):
     p.add_argument("--reverse-translator", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="JSON-lines file of scored items; a rerun skips them (default: "
+                   "next to --json)")
     args = p.parse_args(argv)
+    if args.checkpoint is None and args.json is not None:
+        args.checkpoint = args.json.with_suffix(".items.jsonl")
 
     translator = translator_for(args.source, args.target, args.translator)
     src, stok, tgt, ttok = load_pair(args.source, args.target, log=print)
@@ -64,7 +69,7 @@ def main(argv=None):
         result = measure_recall(src, stok, tgt, ttok, translator, items,
                                 native_tail=args.native_tail, recompute=budgets,
                                 oracle=args.oracle, source_name=args.source,
-                                target_name=args.target)
+                                target_name=args.target, checkpoint=args.checkpoint)
     print(format_table(result))
     if args.json:
         out = result.to_dict()

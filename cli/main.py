@@ -432,7 +432,10 @@ def _recall(source, target, translator, tokens, items, recompute, json_out):
         except ValueError:
             raise KvlingoError(f"--recompute takes fractions such as 0.1, got {recompute!r}.")
         t = translator_for(source, target, translator[0] if translator else None)
-        result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo)
+        # Scored items go next to the report as they finish: a rerun resumes.
+        checkpoint = json_out.with_suffix(".items.jsonl") if json_out else None
+        result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo,
+                            checkpoint=checkpoint)
         typer.echo(format_table(result))
         if json_out:
             json_out.write_text(json.dumps(result.to_dict(), indent=2))

@@ -131,3 +131,32 @@ def test_an_exact_switch_scores_as_the_native_prefill():
     assert 8 <= result.equal_time_tokens <= max(s.read for s in result.scores[NATIVE])
     assert result.exact_rate(NATIVE).value == result.exact_rate(SWITCH).value
     assert "| switch |" in format_table(result)
+
+
+def test_a_rerun_resumes_from_the_checkpoint(tmp_path):
+    """Scored items are appended to the checkpoint; a rerun restores them instead of
+    scoring them again, and scores only the items the file lacks."""
+    m = tiny_model("llama")
+    tok = WordTokenizer()
+    items = recall_items(FILLER, 3, 100, words, seed=2)
+    t = identity_translator(m, tok)
+    path = tmp_path / "items.jsonl"
+    first = measure_recall(m, tok, m, tok, t, items[:2], truncations=(8,), log=lambda s: None,
+                           checkpoint=path)
+    assert len(path.read_text().splitlines()) == 2
+    with open(path, "a") as f:
+        f.write('{"key": "cut off by an interrup')  # a half-written last line
+    logs = []
+    again = measure_recall(m, tok, m, tok, t, items, truncations=(8,), log=logs.append,
+                           checkpoint=path)
+    assert logs[0].strip().startswith("2 of 3 items")
+    scored = [line for line in logs if "item " in line and "/3" in line]
+    assert len(scored) == 1 and scored[0].strip().startswith("item 3/3")
+    for setting in [k for k in first.scores if not k.startswith(EQUAL_TIME)]:
+        for a, b in zip(first.scores[setting], again.scores[setting]):
+            assert a == b  # restored, not rescored (times would differ)
+    # Other settings (a recompute budget the file lacks): every item is scored again.
+    logs.clear()
+    measure_recall(m, tok, m, tok, t, items, truncations=(8,), recompute=[0.2],
+                   log=logs.append, checkpoint=path)
+    assert sum("item " in line for line in logs) == 3

@@ -16,11 +16,13 @@ token (teacher-forced), and the time to the first token. Every setting sees the
 same items, so differences are paired.
 """
 
+import hashlib
 import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -207,13 +209,50 @@ def recompute_setting(budget: float) -> str:
     return f"switch + recompute {budget:.0%}"
 
 
+# A run over many items takes long on a big target (a minute an item for a 1.5B on
+# this CPU): each finished item's scores are appended to a JSON-lines file, and a
+# rerun with the same file skips the items it holds.
+
+
+def _item_key(item: RecallItem) -> str:
+    return hashlib.sha256(json.dumps(item.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_checkpoint(path: Optional[Path], items: Sequence[RecallItem],
+                    settings: Sequence[str]) -> Dict[int, Dict[str, RecallScore]]:
+    """Item index -> its scores, for the items of ``path`` that are these very items
+    scored under all of ``settings`` (the last line of an item wins; a line cut off
+    by an interruption is ignored)."""
+    if path is None or not Path(path).exists():
+        return {}
+    keys = {_item_key(item): i for i, item in enumerate(items)}
+    done = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        i = keys.get(row.get("key"))
+        if i is not None and set(settings) <= set(row["scores"]):
+            done[i] = {k: RecallScore(**v) for k, v in row["scores"].items()}
+    return done
+
+
+def save_item(path: Optional[Path], item: RecallItem, scores: Dict[str, RecallScore]):
+    if path is None:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"key": _item_key(item),
+                            "scores": {k: asdict(v) for k, v in scores.items()}}) + "\n")
+
+
 def measure_recall(
     source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
     translator: Translator, items: Sequence[RecallItem],
     truncations: Sequence[int] = DEFAULT_TRUNCATIONS, native_tail: Optional[int] = None,
     recompute: Sequence[float] = (), oracle: bool = False,
     log: Callable[[str], None] = print, source_name: str = "source",
-    target_name: str = "target",
+    target_name: str = "target", checkpoint: Optional[Union[str, Path]] = None,
 ) -> RecallResult:
     """Score every item under every setting (module docstring), items in order and
     settings interleaved per item so that the machine's load is shared alike.
@@ -221,19 +260,31 @@ def measure_recall(
     ``recompute``: budgets (fractions of the context) of switches whose fact-like
     words the target recomputes (``switching.recompute.salient_spans``); ``oracle``:
     also a switch that recomputes the item's fact sentence, which only the item
-    knows. Each switch setting gets its own equal-time truncation."""
+    knows. Each switch setting gets its own equal-time truncation.
+
+    ``checkpoint``: a JSON-lines file each scored item is appended to; the items it
+    already holds (same item, same settings) are not scored again."""
     bos = getattr(target_tokenizer, "bos_token_id", None)
     scores: Dict[str, List[RecallScore]] = {}
 
     def add(setting, score):
         scores.setdefault(setting, []).append(score)
 
+    switches = [SWITCH] + [recompute_setting(b) for b in recompute] + ([ORACLE] if oracle else [])
+    per_item = ([NATIVE] + switches + [f"last {n}" for n in truncations] + [NONE])
+    done = load_checkpoint(checkpoint, items, per_item)
+    if done:
+        log(f"  {len(done)} of {len(items)} items already scored in {checkpoint}")
     prepared = []
     for i, item in enumerate(items):
         ids, offsets = tokenize_with_offsets(target_tokenizer, item.prompt)
         answer = answer_tokens(target_tokenizer, ids, item.prompt, item.answer)
         cue = len(target_tokenizer.encode(item.cue, add_special_tokens=False))
         prepared.append((ids, answer))
+        if i in done:
+            for setting in per_item:
+                add(setting, done[i][setting])
+            continue
         cache, pending, s = native_state(target, ids)
         add(NATIVE, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
         read = read_source(source, source_tokenizer, translator, item.prompt)
@@ -255,6 +306,7 @@ def measure_recall(
             cache, pending, s = native_state(target, truncated_ids(ids, n, bos))
             add(setting, score_state(target, target_tokenizer, cache, pending, answer,
                                      item.answer, s))
+        save_item(checkpoint, item, {k: scores[k][-1] for k in per_item})
         log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
             + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
     # The equal-time baselines: as many recent tokens as each switch's time allows.
@@ -292,7 +344,8 @@ def format_table(result: RecallResult) -> str:
 def run_recall(source: str, target: str, translator: Translator, tokens: int = 550,
                count: int = 48, kinds: Sequence[str] = KINDS, recompute: Sequence[float] = (),
                oracle: bool = False, native_tail: Optional[int] = None, seed: int = 0,
-               log: Callable[[str], None] = print) -> RecallResult:
+               log: Callable[[str], None] = print,
+               checkpoint: Optional[Union[str, Path]] = None) -> RecallResult:
     """Load the two models and score ``count`` recall items of about ``tokens``
     target tokens, built from held-out text (``data.recall.heldout_filler``)."""
     src, src_tok, tgt, tgt_tok = load_pair(source, target, log=log)
@@ -301,4 +354,4 @@ def run_recall(source: str, target: str, translator: Translator, tokens: int = 5
                          kinds=kinds, seed=seed)
     return measure_recall(src, src_tok, tgt, tgt_tok, translator, items, native_tail=native_tail,
                           recompute=recompute, oracle=oracle, log=log, source_name=source,
-                          target_name=target)
+                          target_name=target, checkpoint=checkpoint)
