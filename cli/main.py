@@ -172,7 +172,7 @@ def compress(
                                "part)."),
     bits: Optional[int] = typer.Option(None, help="Save quantized to 8 or 4 bits."),
     fold_tokens: bool = typer.Option(False, help="Fold the token maps into the projection "
-                                     "(models sharing a tokenizer; loads the target too)."),
+                                     "(loads the target too)."),
 ):
     """Compress a translator: every map reads one shared low-rank projection of the
     source layers instead of its own concatenation of them (a cheaper switch)."""
@@ -190,9 +190,9 @@ def compress(
         if cache_geometry(src) != t.spec.source.cache_geometry:
             fail(f"{source} is not the source model this translator was made for "
                  f"({t.spec.source.name}).")
-        tgt = load(target)[0] if fold_tokens else None
+        tgt, tgt_tok = load(target) if fold_tokens else (None, None)
         small, r = compress_on_corpus(src, src_tok, t, key_rank, value_rank, corpus, tokens,
-                                      target=tgt)
+                                      target=tgt, target_tokenizer=tgt_tok)
         small.save(out, bits=bits)
         mean = [sum(e) / len(e) for e in (r.key_error, r.value_error)]
         typer.echo(

@@ -180,3 +180,47 @@ def test_the_ttft_benchmark_times_and_bounds_a_compressed_translator(toy_pair):
     assert compact["bound_mb"] == pytest.approx(
         compact["source_cache_mb"] + compact["target_cache_mb"] + compact["maps_mb"]
         + compact["layer_working_set_mb"])
+
+
+def test_token_maps_fold_in_across_tokenizers():
+    """Models with different tokenizers: each calibration row pairs a target token's
+    token inputs with the source features of the source token it is aligned to (as a
+    switch gathers them), and a full-rank fold switches like the original."""
+    from test_align import TEXT, _bpe
+
+    from mlx_kvlingo.models.cache import cache_features, prefill
+    from mlx_kvlingo.models.features import token_inputs
+    from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.translator.align import align_text
+    from mlx_kvlingo.translator.compress import aligned_calibration_features
+    from mlx_kvlingo.translator.maps import Translator
+
+    stok, ttok = _bpe(300), _bpe(330, bos=True)
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok, sources_per_layer=2,
+                              token_layers=range(len(tgt.layers)))
+    keys = mx.random.split(mx.random.key(3), 2 * len(t.k_tok))
+    for key, lin in zip(keys, t.k_tok + t.v_tok):
+        lin.weight = 0.05 * mx.random.normal(lin.weight.shape, key=key)
+    mx.eval(t.parameters())
+    texts = [TEXT * 2, TEXT.upper() + TEXT, TEXT[::-1] * 2]
+    feats = aligned_calibration_features(src, stok, tgt, ttok, texts, t.source_layers)
+    # The rows of the first text, rebuilt by hand.
+    a = align_text(stok, ttok, texts[0])
+    keep = [j for j, i in enumerate(a.source_index) if i >= 0]
+    ks = cache_features(src, prefill(src, mx.array(a.source_tokens)[None]),
+                        list(t.source_layers))[0]
+    j = keep[len(keep) // 2]  # one row in the middle
+    want_k = np.concatenate([np.array(ks[layer][0][a.source_index[j]])
+                             for layer in t.source_layers])
+    want_tok = np.array(token_inputs(tgt, mx.array(a.target_tokens)[None], j, j + 1)[0, 0])
+    row = keep.index(j)
+    assert np.allclose(feats["k"][row], want_k, atol=1e-5)
+    assert np.allclose(feats["tokens"][row], want_tok, atol=1e-5)
+    # Full rank: the folded translator switches like the original.
+    width = feats["k"].shape[1] + feats["tokens"].shape[1]
+    small, _ = compress_translator(t, feats, width, width, fold_tokens=True)
+    assert small.spec.shared_tokens and small.cross_tokenizer
+    want = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=0).cache
+    got = switch_text(src, stok, tgt, ttok, small, TEXT, native_tail=0).cache
+    assert max_difference(got, want) < 1e-3

@@ -7,7 +7,7 @@ from tiny import CONFIGS, identity_translator, tiny_model
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models.cache import read_layer
 from mlx_kvlingo.switching.api import switch
-from mlx_kvlingo.switching.recompute import merge_spans, recompute_spans
+from mlx_kvlingo.switching.recompute import merge_spans, recompute_and_read, recompute_spans
 
 ARCHS = sorted(CONFIGS)
 
@@ -76,6 +76,50 @@ def test_spans_recomputed_in_one_pass_equal_one_after_the_other(arch):
         recompute_spans(m, in_turn, ids, [span])
     assert caches_close(together, in_turn)
     assert not caches_close(together, untouched)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_recompute_folded_into_the_next_read_equals_recompute_then_read(arch):
+    """Recomputing spans and reading the next tokens in one pass gives the logits and
+    the cache of a recompute followed by a plain forward pass over those tokens."""
+    m = model(arch)
+    ids = tokens(30, seed=7)
+    spans = [(2, 5), (9, 16)]
+    folded = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=4)
+    apart = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=4)
+    pending = folded.pending.tolist()
+    assert len(pending) == 5
+    got = recompute_and_read(m, folded.cache, ids, spans, pending, keep=3)
+    recompute_spans(m, apart.cache, ids, spans)
+    want = m(mx.array([pending]), cache=apart.cache)[:, -3:]
+    assert got.shape == want.shape
+    assert mx.abs(got - want).max().item() < 1e-3
+    assert caches_close(folded.cache, apart.cache)
+    assert all(c.offset == len(ids) for c in folded.cache)
+
+
+def test_a_deferred_recompute_is_done_by_the_first_step_or_by_settle(toy_pair):
+    """switch(recompute=...) leaves its chosen positions deferred; the first step
+    does them in its pass (same token and log-probabilities as settling them
+    first, then stepping), and a settled result has nothing left deferred."""
+    from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.switching.generate import first_step
+
+    src, stok, _, _ = toy_pair
+    half = identity_translator(src, stok, scale=0.5)
+    text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
+            "Nothing else of note happened that day, and the file was closed again.")
+    runs = [switch_text(src, stok, src, stok, half, text, native_tail=3, recompute=0.4)
+            for _ in range(2)]
+    assert runs[0].deferred and runs[0].context
+    token, logprobs = first_step(src, runs[0])
+    assert not runs[0].deferred
+    runs[1].settle(src)
+    assert not runs[1].deferred
+    token2, logprobs2 = first_step(src, runs[1])
+    assert token == token2
+    assert mx.abs(logprobs - logprobs2).max().item() < 1e-3
+    assert caches_close(runs[0].cache, runs[1].cache)
 
 
 def test_overlapping_spans_are_refused():
@@ -174,12 +218,13 @@ def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
     text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
             "Nothing else of note happened that day, and the file was closed again.")
     plain = switch_text(src, stok, src, stok, t, text, native_tail=0)
-    fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5)
+    fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5).settle(src)
     assert caches_close(plain.cache, fixed.cache)
 
     zero = identity_translator(src, stok, scale=0.0)
     broken = switch_text(src, stok, src, stok, zero, text, native_tail=0)
-    repaired = switch_text(src, stok, src, stok, zero, text, native_tail=0, recompute=0.5)
+    repaired = switch_text(src, stok, src, stok, zero, text, native_tail=0,
+                           recompute=0.5).settle(src)
     ids, offsets = tokenize_with_offsets(stok, text)
     spans = salient_spans(text, offsets, int(0.5 * len(ids)), 1, len(ids) - 1)
     assert spans

@@ -154,6 +154,7 @@ def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
     if len(tail) < 2:
         return result, None
     t0 = time.perf_counter()
+    result.settle(target)  # the gate reads the cache as the answer will
     if len(tail) > gate.tokens:  # the part of the tail the gate does not score
         prefill(target, mx.array(tail[:-gate.tokens])[None], result.cache)
         tail = tail[-gate.tokens:]
@@ -229,6 +230,7 @@ def guard_facts(target: nn.Module, result: SwitchResult, tokens: Sequence[int], 
     context (``offsets``: their characters in ``text``). Returns (the result to
     decode from, FactGateDecision)."""
     t0 = time.perf_counter()
+    result.settle(target)  # probe the cache as the answer will read it
     probe = probe_facts(target, result.cache, tokens, text, offsets, lo=lo)
     action, cache = "kept", result.cache
     if probe is not None and probe.nll > threshold:

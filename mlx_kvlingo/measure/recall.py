@@ -31,9 +31,9 @@ import numpy as np
 from ..chat.gate import probe_facts
 from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
-from ..models.cache import cache_length, copy_cache, last_logits, prefill
+from ..models.cache import cache_length, copy_cache, prefill
 from ..models.load import load_pair
-from ..switching.api import switch, switch_text
+from ..switching.api import SwitchResult, switch, switch_text
 from ..switching.recompute import merge_spans, recompute_spans
 from ..translator.align import tokenize_with_offsets
 from ..translator.maps import Translator
@@ -121,34 +121,36 @@ def matches(said: str, answer: str) -> bool:
     return said.startswith(answer) and not said[len(answer):len(answer) + 1].isalnum()
 
 
-def score_state(target: nn.Module, tokenizer, cache: List, pending: Sequence[int],
-                answer_ids: Sequence[int], answer: str, ready_s: float) -> RecallScore:
-    """Answer from ``cache`` + ``pending`` (the tokens the target still reads,
-    ending with the cue's last): the greedy answer, timed from ``ready_s`` seconds
-    already spent, and the answer's teacher-forced NLL on a copy of the cache."""
-    forced = copy_cache(cache)
-    read = len(pending) + cache_length(cache)
+def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: Sequence[int],
+                answer: str) -> RecallScore:
+    """Answer from ``state`` (a cache and the tokens the target still reads, ending
+    with the cue's last; a deferred recompute is done in that first pass): the
+    greedy answer, timed from ``state.translate_s`` seconds already spent, and the
+    answer's teacher-forced NLL read on a copy of the state."""
+    forced = SwitchResult(copy_cache(state.cache), state.pending, 0.0, list(state.deferred),
+                          state.context)
+    read = state.pending.size + cache_length(state.cache)
     t0 = time.perf_counter()
-    logits = last_logits(target, mx.array([list(pending)]), cache)[:, -1]
+    logits = state.read(target)[:, -1]
     token = int(mx.argmax(logits, axis=-1).item())
-    ttft = ready_s + time.perf_counter() - t0
+    ttft = state.translate_s + time.perf_counter() - t0
     said = [token]
     for _ in range(len(answer_ids) + 2):
-        logits = target(mx.array([[said[-1]]]), cache=cache)[:, -1]
+        logits = target(mx.array([[said[-1]]]), cache=state.cache)[:, -1]
         said.append(int(mx.argmax(logits, axis=-1).item()))
     text = tokenizer.decode(said)
-    inputs = mx.array([list(pending) + list(answer_ids[:-1])])
-    lp = log_softmax(last_logits(target, inputs, forced, keep=len(answer_ids)))
+    lp = log_softmax(forced.read(target, answer_ids[:-1], keep=len(answer_ids)))
     answer_nll = nll(lp, mx.array([list(answer_ids)])).mean().item()
     return RecallScore(matches(text, answer), answer_nll, ttft, text, read)
 
 
-def native_state(target: nn.Module, ids: Sequence[int]) -> Tuple[List, List[int], float]:
-    """The target's own cache of all but the last of ``ids``, and its time."""
+def native_state(target: nn.Module, ids: Sequence[int]) -> SwitchResult:
+    """The target's own cache of all but the last of ``ids`` (the last pending),
+    timed."""
     t0 = time.perf_counter()
     cache = prefill(target, mx.array(ids[:-1]))
     mx.eval([(c.keys, c.values) for c in cache])
-    return cache, list(ids[-1:]), time.perf_counter() - t0
+    return SwitchResult(cache, mx.array(list(ids[-1:])), time.perf_counter() - t0)
 
 
 def truncated_ids(ids: Sequence[int], n: int, bos: Optional[int]) -> List[int]:
@@ -171,19 +173,16 @@ def read_source(source: nn.Module, source_tokenizer, translator: Translator, pro
 
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
                  translator: Translator, prompt: str, native_tail: Optional[int] = None,
-                 read=None, recompute: float = 0.0) -> Tuple[List, List[int], float]:
+                 read=None, recompute: float = 0.0) -> SwitchResult:
     """The switch, from what the source holds (``read``, from :func:`read_source`;
-    read now, not timed, when not given): (target cache, pending tokens,
-    translation time)."""
+    read now, not timed, when not given)."""
     source_cache, source_tokens = read or read_source(source, source_tokenizer, translator,
                                                       prompt)
     if translator.cross_tokenizer:
-        result = switch_text(source, source_tokenizer, target, target_tokenizer, translator,
-                             prompt, source_cache, native_tail, source_tokens, recompute)
-    else:
-        result = switch(source, target, translator, source_tokens[0], source_cache, native_tail,
-                        recompute, (prompt, source_tokens[1]))
-    return result.cache, result.pending.tolist(), result.translate_s
+        return switch_text(source, source_tokenizer, target, target_tokenizer, translator,
+                           prompt, source_cache, native_tail, source_tokens, recompute)
+    return switch(source, target, translator, source_tokens[0], source_cache, native_tail,
+                  recompute, (prompt, source_tokens[1]))
 
 
 # ---------------------------------------------------------------------------
@@ -285,27 +284,32 @@ def measure_recall(
             for setting in per_item:
                 add(setting, done[i][setting])
             continue
-        cache, pending, s = native_state(target, ids)
-        add(NATIVE, score_state(target, target_tokenizer, cache, pending, answer, item.answer, s))
+        add(NATIVE, score_state(target, target_tokenizer, native_state(target, ids), answer,
+                                item.answer))
         read = read_source(source, source_tokenizer, translator, item.prompt)
         choices = [(SWITCH, 0.0, None)] + [(recompute_setting(b), b, None) for b in recompute]
         if oracle:
             choices.append((ORACLE, 0.0, lambda end: merge_spans(
                 fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end)))
         for setting, share, select in choices:
-            cache, pending, s = switch_state(source, source_tokenizer, target, target_tokenizer,
-                                             translator, item.prompt, native_tail, read, share)
+            state = switch_state(source, source_tokenizer, target, target_tokenizer,
+                                 translator, item.prompt, native_tail, read, share)
             if select is not None:
-                s += recompute_spans(target, cache, ids, select(len(ids) - len(pending)))
-            probe = probe_facts(target, cache, ids, item.prompt, offsets,
+                state.deferred = select(len(ids) - state.pending.size)
+                state.context = list(ids)
+            # The probe reads the cache as the answer will: recomputed, on a copy.
+            probed = copy_cache(state.cache)
+            if state.deferred:
+                recompute_spans(target, probed, state.context, state.deferred)
+            probe = probe_facts(target, probed, ids, item.prompt, offsets,
                                 lo=translator.spec.native_prefix)
-            score = score_state(target, target_tokenizer, cache, pending, answer, item.answer, s)
+            score = score_state(target, target_tokenizer, state, answer, item.answer)
             score.probe = probe.nll if probe else None
             add(setting, score)
         for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
-            cache, pending, s = native_state(target, truncated_ids(ids, n, bos))
-            add(setting, score_state(target, target_tokenizer, cache, pending, answer,
-                                     item.answer, s))
+            add(setting, score_state(target, target_tokenizer,
+                                     native_state(target, truncated_ids(ids, n, bos)), answer,
+                                     item.answer))
         save_item(checkpoint, item, {k: scores[k][-1] for k in per_item})
         log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
             + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
@@ -319,9 +323,9 @@ def measure_recall(
         equal[setting] = n_eq
         name = EQUAL_TIME if setting == SWITCH else f"{EQUAL_TIME} ({setting})"
         for item, (ids, answer) in zip(items, prepared):
-            cache, pending, s = native_state(target, truncated_ids(ids, n_eq, bos))
-            add(name, score_state(target, target_tokenizer, cache, pending, answer,
-                                  item.answer, s))
+            add(name, score_state(target, target_tokenizer,
+                                  native_state(target, truncated_ids(ids, n_eq, bos)), answer,
+                                  item.answer))
     return RecallResult(source_name, target_name, list(items), scores, equal[SWITCH],
                         {"equal_time_tokens": json.dumps(equal)})
 

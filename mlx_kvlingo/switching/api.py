@@ -7,7 +7,7 @@ last m + 1 tokens).
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -19,7 +19,7 @@ from ..models.cache import prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
 from .kernel import EarlyLayer, map_early_layer, translate_into
-from .recompute import recompute_spans, salient_spans
+from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
 
 
 def as_batch(tokens) -> mx.array:
@@ -136,11 +136,35 @@ class SwitchResult:
     # context's last token. Cache + pending = the whole context.
     pending: mx.array
     translate_s: float  # building `cache` (source cache given; alignment included)
+    # Positions of `cache` the target recomputes itself (switch(recompute=...)), not
+    # done yet: the target's first pass over `pending` does them too (read), one pass
+    # over its weights instead of two. `context`: the target's tokens of the whole
+    # context, which those positions are read from.
+    deferred: List[Span] = field(default_factory=list)
+    context: Optional[List[int]] = None
 
     @property
     def last_token(self) -> mx.array:
         """The context's last token."""
         return self.pending[-1:]
+
+    def read(self, target: nn.Module, extra: Sequence[int] = (), keep: int = 1) -> mx.array:
+        """The target's first pass: it reads ``pending`` (then ``extra``), the
+        deferred recompute folded in. Returns the logits [1, keep, vocab] of the
+        last ``keep`` tokens read; the cache then holds them all."""
+        inputs = self.pending.tolist() + list(extra)
+        logits = recompute_and_read(target, self.cache, self.context or [], self.deferred,
+                                    inputs, keep)
+        self.deferred = []
+        return logits
+
+    def settle(self, target: nn.Module) -> "SwitchResult":
+        """Do the deferred recompute now, in a pass of its own: for callers that
+        read ``cache`` themselves (a gate, mlx-lm's own generation loop)."""
+        if self.deferred:
+            recompute_spans(target, self.cache, self.context, self.deferred)
+            self.deferred = []
+        return self
 
 
 def switch(
@@ -164,7 +188,8 @@ def switch(
     ``recompute``: a share of the context's positions (0.1 = 10 %) the target
     recomputes itself after the translation, on the words that look like facts
     (``recompute.salient_spans``): it needs ``text``, the context's text and each
-    token's character offsets (:func:`switch_text` passes them).
+    token's character offsets (:func:`switch_text` passes them). The recompute is
+    left ``deferred``: the target's first pass does it (``SwitchResult.read``).
     """
     tokens = as_batch(tokens)
     if recompute and text is None:
@@ -185,17 +210,18 @@ def switch(
 def recompute_salient(target: nn.Module, translator: Translator, result: SwitchResult,
                       tokens: Sequence[int], share: float,
                       text: Optional[Tuple[str, Sequence[Tuple[int, int]]]]) -> SwitchResult:
-    """Let the target recompute up to ``share`` of the translated positions, on the
-    context's fact-like words (time added to ``result.translate_s``)."""
+    """Choose up to ``share`` of the translated positions, the context's fact-like
+    words, for the target to recompute in its first pass (``result.deferred``; the
+    choice's time is added to ``result.translate_s``)."""
     if not share:
         return result
     if not 0 < share <= 1:
         raise KvlingoError(f"recompute is a share of the context in (0, 1], not {share!r}.")
     t0 = time.perf_counter()
     end = len(tokens) - len(result.pending)
-    spans = salient_spans(text[0], text[1], int(share * len(tokens)),
-                          translator.spec.native_prefix, end)
-    recompute_spans(target, result.cache, tokens, spans)
+    result.deferred = salient_spans(text[0], text[1], int(share * len(tokens)),
+                                    translator.spec.native_prefix, end)
+    result.context = list(tokens)
     result.translate_s += time.perf_counter() - t0
     return result
 

@@ -8,20 +8,20 @@ from mlx_lm.generate import GenerationResponse, generate_step, stream_generate
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..models.cache import last_logits
 from .api import SwitchResult
 
 
 def first_step(target: nn.Module, result: SwitchResult, sampler=None):
     """The target's first decoding step after a switch, done bare: one forward pass
-    over ``result.pending`` on ``result.cache`` (LM head on the last position only),
-    then the sampler (default greedy) on the log-probabilities. Returns (token id,
+    over ``result.pending`` on ``result.cache`` (LM head on the last position only;
+    a deferred recompute in the same pass, ``SwitchResult.read``), then the sampler
+    (default greedy) on the log-probabilities. Returns (token id,
     log-probabilities [vocab]); the cache then holds the whole context.
 
     This is what mlx-lm's ``generate_step`` computes for its first token, without
     its pipelining (which builds and schedules the second step before returning
     the first)."""
-    logits = last_logits(target, result.pending[None], result.cache)[:, -1, :]
+    logits = result.read(target)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     token = (sampler or greedy_sampler)(logprobs)
     mx.eval(token, logprobs)
@@ -42,6 +42,7 @@ def generate_after_switch(target, tokenizer, result: SwitchResult, **kwargs):
     output is identical to ``stream_generate`` from the same cache.
     """
     if set(kwargs) - _FIRST_STEP_OPTIONS:
+        result.settle(target)
         return stream_generate(target, tokenizer, result.pending, prompt_cache=result.cache,
                                **kwargs)
     return _stream_after_switch(target, tokenizer, result, **kwargs)

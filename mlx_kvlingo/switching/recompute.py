@@ -9,6 +9,8 @@ positions a..b-1 is recomputed with its queries attending to the cache before a
 replace the translated ones. All spans go through the target in one pass, as one
 sequence whose tokens are each roped at their own position: n recomputed positions
 of a T-token context cost about n / T of a re-prefill, plus one pass's fixed overhead.
+A switch folds that pass into its first step (:func:`recompute_and_read`): the
+tokens it reads after the context ride in the same sequence.
 
 Sliding-window layers attend to the positions before a that the translated cache
 still holds (a switch keeps only a window's worth); a span older than that sees
@@ -26,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import KvlingoError
+from ..models.cache import last_logits
 from ..models.rope import RopeTables, apply_rope_tables
 
 Span = Tuple[int, int]
@@ -125,22 +128,29 @@ def _first_held(c, end: int) -> int:
     raise KvlingoError(f"Cannot recompute positions in a {type(c).__name__}.")
 
 
-def _by_position(c, end: int) -> Tuple[mx.array, mx.array, mx.array]:
-    """Layer cache ``c``'s keys and values of positions 0..end-1 in position order
-    (positions it does not hold: zeros), and which positions it holds."""
+def _by_position(c, end: int, top: int) -> Tuple[mx.array, mx.array, mx.array]:
+    """Layer cache ``c``'s keys and values of positions 0..top-1 in position order
+    (positions it does not hold, before a sliding window or from ``end`` on: zeros),
+    and which positions it holds."""
     first = _first_held(c, end)
+    B, H, _, D = c.keys.shape
+    Dv = c.values.shape[-1]
     if isinstance(c, RotatingKVCache):
         runs = _rotating_rows(c, first, end)
         k = [c.keys[..., r: r + n, :] for _, r, n in runs]
         v = [c.values[..., r: r + n, :] for _, r, n in runs]
-        if first:
-            B, H, _, D = c.keys.shape
-            k.insert(0, mx.zeros((B, H, first, D), c.keys.dtype))
-            v.insert(0, mx.zeros((B, H, first, c.values.shape[-1]), c.values.dtype))
-        keys, values = mx.concatenate(k, axis=2), mx.concatenate(v, axis=2)
     else:
-        keys, values = c.keys[..., :end, :], c.values[..., :end, :]
-    return keys, values, mx.arange(end) >= first
+        k, v = [c.keys[..., :end, :]], [c.values[..., :end, :]]
+    if first:
+        k.insert(0, mx.zeros((B, H, first, D), c.keys.dtype))
+        v.insert(0, mx.zeros((B, H, first, Dv), c.values.dtype))
+    if top > end:
+        k.append(mx.zeros((B, H, top - end, D), c.keys.dtype))
+        v.append(mx.zeros((B, H, top - end, Dv), c.values.dtype))
+    keys = k[0] if len(k) == 1 else mx.concatenate(k, axis=2)
+    values = v[0] if len(v) == 1 else mx.concatenate(v, axis=2)
+    positions = mx.arange(top)
+    return keys, values, (positions >= first) & (positions < end)
 
 
 def _write_rows(c, keys: mx.array, values: mx.array, positions: Sequence[int], end: int):
@@ -167,9 +177,35 @@ def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
     each attends to the cache before it, earlier spans already recomputed, and to
     itself. All spans go through the target in one pass. Returns the seconds taken."""
     t0 = time.perf_counter()
-    spans = sorted(spans)
+    if spans:
+        _one_pass(target, cache, tokens, spans)
+    return time.perf_counter() - t0
+
+
+def recompute_and_read(target: nn.Module, cache: List, tokens: Sequence[int],
+                       spans: Sequence[Span], inputs: Sequence[int], keep: int = 1
+                       ) -> mx.array:
+    """:func:`recompute_spans`, and the target reading ``inputs`` (the tokens after
+    the cache's end), in one pass over its weights: the inputs attend to the
+    recomputed positions as if read after the recompute. Returns the logits
+    [1, keep, vocab] of the last ``keep`` inputs (models.cache.last_logits); the
+    cache then holds the inputs too.
+
+    A switch's first step reads its pending tokens anyway; folding the recompute
+    into it saves a pass, whose fixed cost (the weights read once more, a small
+    model's LM head) is a good part of a small recompute's time."""
+    if not len(inputs):
+        raise KvlingoError("Nothing to read: inputs is empty.")
     if not spans:
-        return 0.0
+        return last_logits(target, mx.array([list(inputs)]), cache, keep)
+    return _one_pass(target, cache, tokens, spans, list(inputs), keep)
+
+
+def _one_pass(target: nn.Module, cache: List, tokens: Sequence[int], spans: Sequence[Span],
+              inputs: Sequence[int] = (), keep: int = 1) -> Optional[mx.array]:
+    """The selected positions, then ``inputs`` at the positions after the cache's
+    end, as one sequence through the target (see :class:`_PassView`)."""
+    spans = sorted(spans)
     end = min(c.offset for c in cache)
     for (a, b), nxt in zip(spans, spans[1:] + [(end, end)]):
         if not 0 <= a < b <= end:
@@ -179,16 +215,25 @@ def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
             raise KvlingoError(f"Spans to recompute overlap: {a}..{b - 1} and "
                                f"{nxt[0]}..{nxt[1] - 1}.")
     chosen = [p for a, b in spans for p in range(a, b)]
-    positions = mx.array(chosen)
-    selected = mx.zeros((end,), dtype=mx.bool_)
+    top = end + len(inputs)
+    positions = mx.array(chosen + list(range(end, top)))
+    selected = mx.zeros((top,), dtype=mx.bool_)
     selected[positions] = True
-    views = [_PassView(*_by_position(c, end), positions, selected) for c in cache]
-    with _roped_at(target, positions, end):
-        target.model(mx.array([[tokens[p] for p in chosen]]), cache=views)
+    views = [_PassView(*_by_position(c, end, top), positions, selected) for c in cache]
+    ids = mx.array([[tokens[p] for p in chosen] + list(inputs)])
+    logits = None
+    with _roped_at(target, positions, top):
+        if len(inputs):
+            logits = last_logits(target, ids, views, keep)
+        else:
+            target.model(ids, cache=views)
+    n = len(chosen)
     for c, view in zip(cache, views):
-        _write_rows(c, view.new_keys, view.new_values, chosen, end)
-    mx.eval([(c.keys, c.values) for c in cache])
-    return time.perf_counter() - t0
+        _write_rows(c, view.new_keys[..., :n, :], view.new_values[..., :n, :], chosen, end)
+        if len(inputs):  # appended as a forward pass appends them
+            c.update_and_fetch(view.new_keys[..., n:, :], view.new_values[..., n:, :])
+    mx.eval([(c.keys, c.values) for c in cache] + ([logits] if logits is not None else []))
+    return logits
 
 
 def merge_spans(positions: Sequence[int], before: int = 0, after: int = 0, gap: int = 0,

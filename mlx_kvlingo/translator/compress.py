@@ -17,11 +17,14 @@ calibration features (their relative error per layer is reported), and the
 calibration text is not the evaluation text.
 
 Token maps (``spec.token_layers``: each map also reads the target's embeddings of
-the token and the one before it) are kept as they are, or, for models that share a
-tokenizer, *folded in*: the token inputs join the source features under the
-projection (``fold_tokens``), and no separate token map is left. A Qwen2.5-Coder
-translator with token maps on every layer is two thirds token maps, so that is
-where its size goes.
+the token and the one before it) are kept as they are, or *folded in*: the token
+inputs join the source features under the projection (``fold_tokens``), and no
+separate token map is left. A Qwen2.5-Coder translator with token maps on every
+layer is two thirds token maps, so that is where its size goes; a SmolLM2 <->
+Gemma 3 switch spends a third of its maps' multiply-adds on them. With different
+tokenizers the calibration pairs each target token with the source features of
+the source token it is aligned to, as a switch feeds them
+(:func:`aligned_calibration_features`).
 """
 
 from dataclasses import dataclass, replace
@@ -35,6 +38,7 @@ from ..data.corpus import read_corpus, split_documents, token_stream, token_wind
 from ..errors import KvlingoError
 from ..models.cache import cache_features, prefill
 from ..models.features import token_inputs
+from .align import align_text
 from .maps import Translator
 
 
@@ -68,6 +72,32 @@ def calibration_features(source: nn.Module, windows: Sequence[Sequence[int]],
         if target is not None:
             out["tokens"].append(np.array(token_inputs(target, ids, 0, len(w))[0]))
     return {kind: np.concatenate(x).astype(np.float64) for kind, x in out.items() if x}
+
+
+def aligned_calibration_features(source: nn.Module, source_tokenizer, target: nn.Module,
+                                 target_tokenizer, texts: Sequence[str],
+                                 layers: Sequence[int]) -> Dict[str, np.ndarray]:
+    """:func:`calibration_features` for models with different tokenizers: one row per
+    target token of each text (but the native prefix, which is not translated), the
+    source's features of the token it is aligned to (translator.align) beside the
+    target's token inputs of it."""
+    out = {"k": [], "v": [], "tokens": []}
+    for text in texts:
+        a = align_text(source_tokenizer, target_tokenizer, text)
+        index = np.asarray(a.source_index)
+        keep = np.nonzero(index >= 0)[0]
+        if not len(keep):
+            continue
+        cache = prefill(source, mx.array(a.source_tokens)[None])
+        ks, vs, _ = cache_features(source, cache, list(layers))
+        rows = index[keep]
+        out["k"].append(np.concatenate([np.array(ks[j][0]) for j in layers], axis=1)[rows])
+        out["v"].append(np.concatenate([np.array(vs[j][0]) for j in layers], axis=1)[rows])
+        ids = mx.array(a.target_tokens)[None]
+        out["tokens"].append(np.array(token_inputs(target, ids, 0, ids.shape[1])[0])[keep])
+    if not out["k"]:
+        raise KvlingoError("No calibration text has a token to translate.")
+    return {kind: np.concatenate(x).astype(np.float64) for kind, x in out.items()}
 
 
 def _stacked(translator: Translator, kind: str, widths: Dict[int, int],
@@ -134,11 +164,10 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
             raise KvlingoError(f"A rank is a count >= 1, not {r!r}.")
     if fold_tokens and not translator.spec.token_layers:
         raise KvlingoError("This translator has no token maps to fold in.")
-    if fold_tokens and translator.cross_tokenizer:
-        raise KvlingoError("Token maps fold in only for models that share a tokenizer.")
     if fold_tokens and "tokens" not in features:
         raise KvlingoError("Folding token maps in needs the target's token inputs "
-                           "(calibration_features(..., target=...)).")
+                           "(calibration_features(..., target=...), or "
+                           "aligned_calibration_features).")
     geometry = translator.spec.source.cache_geometry.layers
     widths = {j: geometry[j].width for j in translator.source_layers}
     width = sum(widths.values())
@@ -183,16 +212,26 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
 def compress_on_corpus(source: nn.Module, source_tokenizer, translator: Translator,
                        key_rank: int, value_rank: int, corpus: str = "stdlib",
                        tokens: int = 8192, window: int = 512,
-                       target: Optional[nn.Module] = None):
+                       target: Optional[nn.Module] = None, target_tokenizer=None):
     """:func:`compress_translator` calibrated on ``tokens`` positions of the training
     part of ``corpus`` (data.corpus; the held-out part, which evaluations read, is
-    left out), in windows of ``window`` tokens; with ``target`` (same tokenizer),
-    the token maps are folded in. Returns (translator, report)."""
+    left out), in windows of ``window`` source tokens; with ``target``, the token
+    maps are folded in (a cross-tokenizer translator needs ``target_tokenizer`` too:
+    each window's text is aligned). Returns (translator, report)."""
     train, _ = split_documents(read_corpus(corpus, source_tokenizer))
     stream = token_stream(source_tokenizer, train)
     count = max(tokens // window, 1)
     batches = token_windows(stream, window, 1, count)
     windows = [b[0].tolist() for b in batches]
-    features = calibration_features(source, windows, translator.source_layers, target)
+    if target is not None and translator.cross_tokenizer:
+        if target_tokenizer is None:
+            raise KvlingoError("Folding a cross-tokenizer translator's token maps needs "
+                               "the target's tokenizer.")
+        texts = [source_tokenizer.decode(w) for w in windows]
+        features = aligned_calibration_features(source, source_tokenizer, target,
+                                                target_tokenizer, texts,
+                                                translator.source_layers)
+    else:
+        features = calibration_features(source, windows, translator.source_layers, target)
     return compress_translator(translator, features, key_rank, value_rank,
                                fold_tokens=target is not None)
