@@ -287,8 +287,11 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
     for m in _WORD.finditer(text):
         a, b = m.span()
         first = bisect.bisect_right(starts, a) - 1
-        positions = [i for i in range(max(first, lo), hi) if offsets[i][0] < b
-                     and offsets[i][1] > a]
+        positions, i = [], max(first, lo)
+        while i < hi and offsets[i][0] < b:  # tokens start in order: stop past the word
+            if offsets[i][1] > a:
+                positions.append(i)
+            i += 1
         if not positions:
             continue
         before = text[:a].rstrip()
