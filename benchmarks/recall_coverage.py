@@ -1,0 +1,81 @@
+"""Did a recompute's choice of words cover each recall item's answer, and what did
+the item score when it did or did not? From `benchmarks/recall.py --json` files and
+the target's tokenizer alone (no model runs): it separates what the selection
+misses from what a recomputed fact still loses.
+
+    python benchmarks/recall_coverage.py benchmarks/results/recall-2026-12-05-s2g-550-folded.json
+
+The selection is recomputed as a switch makes it (`switching.recompute.salient_spans`
+over the positions the switch translates: the translator's native prefix and tail
+left out), for each recompute budget the run scored.
+"""
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
+import json
+import re
+import sys
+
+from pathlib import Path
+
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.pairs.shipped import translator_for
+from mlx_kvlingo.switching.recompute import salient_spans
+from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+
+def prefix_and_tail(run: dict):
+    """The native prefix and tail of the run's translator (the shipped one's, or the
+    file's while it exists; else 1 and 16, what every translator here uses)."""
+    path = None if run.get("translator", "shipped") == "shipped" else Path(run["translator"])
+    if path is not None and not path.is_file():
+        return 1, 16
+    spec = translator_for(run["source"], run["target"], path).spec
+    return spec.native_prefix, spec.native_tail
+
+
+def answer_positions(item: dict, offsets) -> list:
+    """Target positions of the answer's value where the item states it."""
+    start = item["context"].index(item["answer"].strip())
+    stop = start + len(item["answer"].strip())
+    return [i for i, (a, b) in enumerate(offsets) if b > start and a < stop]
+
+
+def coverage(run: dict, tokenizer) -> str:
+    budgets = [k for k in run["scores"] if re.fullmatch(r"switch \+ recompute \d+%", k)]
+    lo, tail = prefix_and_tail(run)
+    lines = [f"## {run['source']} -> {run['target']}, ~{run.get('tokens', '?')} tokens, "
+             f"{len(run['items'])} items", ""]
+    for setting in budgets:
+        share = int(setting.rsplit(" ", 1)[1].rstrip("%")) / 100
+        table = {}
+        for i, item in enumerate(run["items"]):
+            prompt = item["context"] + item["cue"]
+            ids, offsets = tokenize_with_offsets(tokenizer, prompt)
+            spans = salient_spans(prompt, offsets, int(share * len(ids)), lo,
+                                  len(ids) - 1 - tail)
+            chosen = {p for a, b in spans for p in range(a, b)}
+            covered = all(p in chosen for p in answer_positions(item, offsets))
+            row = table.setdefault((item["kind"], covered), [0, 0, 0])
+            row[0] += 1
+            row[1] += run["scores"]["native"][i]["exact"]
+            row[2] += run["scores"][setting][i]["exact"]
+        lines += [f"{setting}:", "",
+                  "| kind | answer recomputed | items | re-prefill right | switch right |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {kind} | {'yes' if cov else 'no'} | {n} | {native} | {switched} |"
+                  for (kind, cov), (n, native, switched) in sorted(table.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(paths):
+    tokenizers = {}
+    for path in paths:
+        run = json.loads(open(path).read())
+        if run["target"] not in tokenizers:
+            tokenizers[run["target"]] = load(run["target"])[1]
+        print(coverage(run, tokenizers[run["target"]]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
