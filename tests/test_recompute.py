@@ -259,3 +259,22 @@ def test_recomputing_in_a_wrapped_sliding_window_changes_nothing():
     # The buffer holds positions 8..23, so only position 23 has its whole window held.
     recompute_spans(m, cache, ids, [(23, 24)])
     assert caches_close(cache, expected)
+
+
+def test_a_folded_read_after_a_wrapped_sliding_window_is_a_plain_read():
+    """The first-step pass on a wrapped sliding-window cache: recomputing a position
+    whose window is held and reading three more tokens gives the logits and the
+    cache of reading them plainly on an untouched copy."""
+    from mlx_kvlingo.models.cache import copy_cache, last_logits, prefill
+
+    m = tiny_model("gemma3_text", sliding_window=16)
+    ids = tokens(27, seed=6)
+    cache = prefill(m, mx.array(ids[:12]))
+    for t in ids[12:24]:  # one token at a time: the rotating buffers wrap
+        m(mx.array([[t]]), cache=cache)
+    assert any(getattr(c, "_idx", 0) < c.keys.shape[2] for c in cache)
+    plain = copy_cache(cache)
+    got = recompute_and_read(m, cache, ids, [(23, 24)], ids[24:], keep=3)
+    want = last_logits(m, mx.array([ids[24:]]), plain, keep=3)
+    assert mx.abs(got - want).max().item() < 1e-3
+    assert caches_close(cache, plain)
