@@ -26,6 +26,10 @@ def test_pieces_put_the_fact_in_the_first_and_keep_every_character(toy_pair):
         assert p1 + p2 + p3 == item.context
         assert item.context[item.fact[0]:item.fact[1]] in p1
         assert p2.strip() and p3.strip()
+        # The fact is followed by text in its own piece: a catch-up's native tail
+        # (its last tokens) does not reach it.
+        after = p1[p1.index(item.context[item.fact[0]:item.fact[1]]) + item.fact[1] - item.fact[0]:]
+        assert len(after.split()) >= min(len(p2.split()), len(p3.split())) // 2
 
 
 def test_an_exact_translation_recalls_as_a_re_prefill(toy_pair):

@@ -1,7 +1,8 @@
 """Recall of a fact across the turns of a conversation that changes models.
 
 Each recall item (``data.recall``) is cut into three pieces at word boundaries, the
-fact in the first. Model A reads piece 1 (the fact), model B piece 2, A piece 3,
+fact in the first, with a third of the text after it (never in the catch-up's native
+tail). Model A reads piece 1 (the fact), model B piece 2, A piece 3,
 and B then reads the cue and the answer (``Session.read``, teacher-forced, plain
 text). So B holds the fact only through its first catch-up's translation, and its
 cache has been extended by translation again since (A's piece 3): a fact stated
@@ -33,17 +34,17 @@ SWITCHED, REPREFILL = "session switch", "session re-prefill"
 
 
 def pieces(item: RecallItem) -> Tuple[str, str, str]:
-    """The item's context in three pieces at word boundaries: piece 1 ends after
-    the fact sentence, the rest is split in two halves."""
+    """The item's context in three pieces at word boundaries: the text after the
+    fact sentence is cut in thirds, and piece 1 is everything up to the end of the
+    first third. So the fact is followed, in its own piece, by a third of what comes
+    after it: a catch-up computes its last tokens natively (the translators' native
+    tail), and a fact at the very end of its piece would never be translated."""
     text, end = item.context, item.fact[1]
     cuts = [m.start() for m in re.finditer(r"\s+\S", text)]
-    first = next((c for c in cuts if c >= end), None)
-    if first is None:
-        raise KvlingoError("The fact ends the context: nothing is left to read after it.")
-    rest = [c for c in cuts if c > first]
-    if not rest:
+    after = [c for c in cuts if c > end]
+    if len(after) < 3:
         raise KvlingoError("Too little text after the fact to cut into pieces.")
-    second = rest[len(rest) // 2]
+    first, second = after[len(after) // 3], after[2 * len(after) // 3]
     return text[:first], text[first:second], text[second:]
 
 
