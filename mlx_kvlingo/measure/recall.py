@@ -31,10 +31,10 @@ import numpy as np
 from ..chat.gate import probe_facts
 from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
-from ..models.cache import cache_length, copy_cache, prefill
+from ..models.cache import cache_length, prefill
 from ..models.load import load_pair
 from ..switching.api import SwitchResult, switch, switch_text
-from ..switching.recompute import merge_spans, recompute_spans
+from ..switching.recompute import merge_spans
 from ..translator.align import tokenize_with_offsets
 from ..translator.maps import Translator
 from .bootstrap import Interval, mean_interval, paired_mean_difference
@@ -127,8 +127,7 @@ def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: S
     with the cue's last; a deferred recompute is done in that first pass): the
     greedy answer, timed from ``state.translate_s`` seconds already spent, and the
     answer's teacher-forced NLL read on a copy of the state."""
-    forced = SwitchResult(copy_cache(state.cache), state.pending, 0.0, list(state.deferred),
-                          state.context)
+    forced = state.copy()
     read = state.pending.size + cache_length(state.cache)
     t0 = time.perf_counter()
     logits = state.read(target)[:, -1]
@@ -298,9 +297,7 @@ def measure_recall(
                 state.deferred = select(len(ids) - state.pending.size)
                 state.context = list(ids)
             # The probe reads the cache as the answer will: recomputed, on a copy.
-            probed = copy_cache(state.cache)
-            if state.deferred:
-                recompute_spans(target, probed, state.context, state.deferred)
+            probed = state.copy().settle(target).cache
             probe = probe_facts(target, probed, ids, item.prompt, offsets,
                                 lo=translator.spec.native_prefix)
             score = score_state(target, target_tokenizer, state, answer, item.answer)

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
-from ..models.cache import prefill
+from ..models.cache import copy_cache, prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
 from .kernel import EarlyLayer, map_early_layer, translate_into
@@ -157,6 +157,12 @@ class SwitchResult:
                                     inputs, keep)
         self.deferred = []
         return logits
+
+    def copy(self) -> "SwitchResult":
+        """An independent copy (the cache's arrays copied): reading one leaves the
+        other as it was."""
+        return SwitchResult(copy_cache(self.cache), self.pending, self.translate_s,
+                            list(self.deferred), self.context)
 
     def settle(self, target: nn.Module) -> "SwitchResult":
         """Do the deferred recompute now, in a pass of its own: for callers that
