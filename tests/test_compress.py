@@ -7,7 +7,7 @@ import pytest
 from tiny import CONFIGS, identity_translator, tiny_model
 
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.models.cache import read_layer
+from mlx_kvlingo.models.cache import prefill, read_layer
 from mlx_kvlingo.switching.api import switch
 from mlx_kvlingo.translator.compress import calibration_features, compress_translator
 from mlx_kvlingo.translator.maps import METADATA_KEY, load_translator, read_safetensors_header
@@ -224,3 +224,34 @@ def test_token_maps_fold_in_across_tokenizers():
     want = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=0).cache
     got = switch_text(src, stok, tgt, ttok, small, TEXT, native_tail=0).cache
     assert max_difference(got, want) < 1e-3
+
+
+def test_a_compressed_translator_translates_the_rows_before_a_window_alike():
+    """The rows a recompute reads before a sliding window (kernel.History) come from
+    the shared projection for a compressed translator: at full rank, with token maps
+    folded in, they are the original translator's."""
+    import time
+
+    from mlx_kvlingo.switching.api import switch_aligned
+    from mlx_kvlingo.switching.kernel import History
+    from mlx_kvlingo.translator.align import identity_alignment
+
+    m = tiny_model("gemma3_text")  # sliding windows of 8
+    t = with_token_maps(m)
+    feats = calibration_features(m, windows(8), t.source_layers, target=m)
+    width = feats["k"].shape[1] + feats["tokens"].shape[1]
+    small, _ = compress_translator(t, feats, width, width, fold_tokens=True)
+    ids = windows(1, length=30, seed=7)[0]
+    source_cache = prefill(m, mx.array([ids[:-1]]))
+
+    def history(translator):
+        return switch_aligned(m, m, translator, source_cache, identity_alignment(ids, 1),
+                              mx.array([ids]), 0, time.perf_counter(),
+                              history=History(since=5)).history
+
+    want, got = history(t), history(small)
+    assert sorted(got) == sorted(want) and want
+    for i, (lo, k, v) in want.items():
+        assert got[i][0] == lo == 0 and k.shape[2] == 29 - 8
+        assert mx.abs(got[i][1] - k).max().item() < 1e-3
+        assert mx.abs(got[i][2] - v).max().item() < 1e-3

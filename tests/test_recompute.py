@@ -162,6 +162,50 @@ def test_a_span_older_than_the_window_sees_only_itself_in_sliding_layers():
         assert same == (window is not None), (window, first)
 
 
+@pytest.mark.parametrize("layer0", ["translated", "native"])
+def test_a_switch_translates_the_rows_an_old_span_reads_in_sliding_layers(layer0):
+    """The same span, recomputed after a switch that was told it comes
+    (kernel.History): the sliding layers read the translated rows before their
+    window (layer 0's computed by the target, for a translator that does so), so
+    with an exact translator every layer's rows, and the next logits, are the
+    target's own. Only rows a window before the span are translated."""
+    import time
+
+    from mlx_kvlingo.switching.api import switch_aligned
+    from mlx_kvlingo.switching.kernel import History
+    from mlx_kvlingo.translator.align import identity_alignment
+
+    m = tiny_model("gemma3_text")
+    ids = tokens(21, seed=3)
+    t = identity_translator(m).with_native_layer0(layer0 == "native")
+    native = switch(m, m, t, ids, native_tail=0)
+    source_cache = prefill_of(m, ids)
+    result = switch_aligned(m, m, t, source_cache, identity_alignment(ids, 1), mx.array([ids]),
+                            0, time.perf_counter(), history=History(since=3))
+    # Sliding layers (window 8) keep positions 12..19; the span at 3 reads from 0 on.
+    assert sorted(result.history) == [0, 1, 3, 4]
+    assert all(lo == 0 and k.shape[2] == 12 for lo, k, _ in result.history.values())
+    result.deferred, result.context = [(3, 7)], ids
+    got, want = result.read(m), native.read(m)
+    assert caches_close(result.cache, native.cache)
+    assert result.history == {}  # read once, then dropped
+    assert mx.abs(got - want).max().item() < 1e-3
+    def since(p):
+        return switch_aligned(m, m, t, source_cache, identity_alignment(ids, 1),
+                              mx.array([ids]), 0, time.perf_counter(), history=History(p)).history
+
+    assert {lo: k.shape[2] for lo, k, _ in since(16).values()} == {9: 3}  # 16 reads 9..16
+    assert since(19) == {}  # its window is all kept
+
+
+def prefill_of(m, ids):
+    from mlx_kvlingo.models.cache import prefill
+
+    cache = prefill(m, mx.array([ids[:-1]]))
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache
+
+
 class CharTokenizer:
     """Offsets of a whitespace split, each word cut into pieces of 3 characters: a
     long word splits into several pieces, as a rare word does in BPE."""

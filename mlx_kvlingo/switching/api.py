@@ -18,7 +18,7 @@ from ..errors import KvlingoError
 from ..models.cache import copy_cache, prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
-from .kernel import EarlyLayer, map_early_layer, translate_into
+from .kernel import EarlyLayer, History, map_early_layer, translate_into
 from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
 
 
@@ -142,6 +142,9 @@ class SwitchResult:
     # context, which those positions are read from.
     deferred: List[Span] = field(default_factory=list)
     context: Optional[List[int]] = None
+    # Rows older than a sliding-window layer keeps that the deferred recompute reads
+    # (kernel.History.layers: layer -> (first position, keys, values)).
+    history: dict = field(default_factory=dict)
 
     @property
     def last_token(self) -> mx.array:
@@ -154,22 +157,22 @@ class SwitchResult:
         last ``keep`` tokens read; the cache then holds them all."""
         inputs = self.pending.tolist() + list(extra)
         logits = recompute_and_read(target, self.cache, self.context or [], self.deferred,
-                                    inputs, keep)
-        self.deferred = []
+                                    inputs, keep, self.history)
+        self.deferred, self.history = [], {}
         return logits
 
     def copy(self) -> "SwitchResult":
         """An independent copy (the cache's arrays copied): reading one leaves the
         other as it was."""
         return SwitchResult(copy_cache(self.cache), self.pending, self.translate_s,
-                            list(self.deferred), self.context)
+                            list(self.deferred), self.context, dict(self.history))
 
     def settle(self, target: nn.Module) -> "SwitchResult":
         """Do the deferred recompute now, in a pass of its own: for callers that
         read ``cache`` themselves (a gate, mlx-lm's own generation loop)."""
         if self.deferred:
-            recompute_spans(target, self.cache, self.context, self.deferred)
-            self.deferred = []
+            recompute_spans(target, self.cache, self.context, self.deferred, self.history)
+            self.deferred, self.history = [], {}
         return self
 
 
@@ -207,51 +210,70 @@ def switch(
         source_cache = prefill(source, tokens[:, :-1])
         mx.eval([(c.keys, c.values) for c in source_cache])
     t0 = time.perf_counter()
-    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
-    result = switch_aligned(source, target, translator, source_cache, alignment, tokens,
-                            resolve_native_tail(translator, native_tail), t0)
-    return recompute_salient(target, translator, result, tokens[0].tolist(), recompute, text)
+    ids = tokens[0].tolist()
+    alignment = identity_alignment(ids, translator.spec.native_prefix)
+    m = resolve_native_tail(translator, native_tail)
+    spans = choose_recompute(translator, ids, m, recompute, text)
+    result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
+                            history=_history(spans))
+    return _defer(result, spans, ids)
 
 
-def recompute_salient(target: nn.Module, translator: Translator, result: SwitchResult,
-                      tokens: Sequence[int], share: float,
-                      text: Optional[Tuple[str, Sequence[Tuple[int, int]]]]) -> SwitchResult:
-    """Choose up to ``share`` of the translated positions, the context's fact-like
-    words, for the target to recompute in its first pass (``result.deferred``; the
-    choice's time is added to ``result.translate_s``)."""
+def choose_recompute(translator: Translator, tokens: Sequence[int], m: int, share: float,
+                     text: Optional[Tuple[str, Sequence[Tuple[int, int]]]]) -> List[Span]:
+    """Up to ``share`` of the context's positions, its fact-like words among the
+    positions a switch with native tail ``m`` translates, for the target to
+    recompute (``recompute.salient_spans``). Chosen before the translation, so that
+    it translates the older rows the recompute reads in sliding-window layers too."""
     if not share:
-        return result
+        return []
     if not 0 < share <= 1:
         raise KvlingoError(f"recompute is a share of the context in (0, 1], not {share!r}.")
-    t0 = time.perf_counter()
-    end = len(tokens) - len(result.pending)
-    result.deferred = salient_spans(text[0], text[1], int(share * len(tokens)),
-                                    translator.spec.native_prefix, end)
-    result.context = list(tokens)
-    result.translate_s += time.perf_counter() - t0
+    return salient_spans(text[0], text[1], int(share * len(tokens)),
+                         translator.spec.native_prefix, _translated_end(len(tokens), m))
+
+
+def _translated_end(n: int, m: int) -> int:
+    """Positions 0..end-1 of an n-token context a switch with native tail m
+    translates: the last m + 1 are read by the target's first step."""
+    return max(n - 1 - m, 0)
+
+
+def _history(spans: Sequence[Span]) -> Optional[History]:
+    return History(since=min(a for a, _ in spans)) if spans else None
+
+
+def _defer(result: SwitchResult, spans: List[Span], tokens: Sequence[int]) -> SwitchResult:
+    """Leave ``spans`` to the target's first pass (``result.deferred``)."""
+    if spans:
+        result.deferred, result.context = spans, list(tokens)
     return result
 
 
 def switch_aligned(source, target, translator, source_cache, alignment, tokens, m: int,
                     t0: float, phases: Optional[dict] = None,
-                    early: Optional["EarlyLayer"] = None) -> SwitchResult:
+                    early: Optional["EarlyLayer"] = None,
+                    history: Optional[History] = None) -> SwitchResult:
     """Translate all target positions but the last m + 1, which are left pending.
     ``phases``: profile the translation into it (see :func:`_phase`); ``early``: see
-    :func:`map_early_layer`."""
+    :func:`map_early_layer`; ``history``: see kernel.History (its rows end up in
+    ``SwitchResult.history``)."""
     n = tokens.shape[1]
-    end = max(n - 1 - m, 0)
+    end = _translated_end(n, m)
     if end:
         alignment = alignment.with_native_prefix(translator.spec.native_prefix)
         if phases is not None:
             phases["_mark"] = time.perf_counter()
         cache = translate_into(source, target, translator, source_cache, None, alignment, end,
-                           tokens, room=n - end, phases=phases, early=early)
+                           tokens, room=n - end, phases=phases, early=early, history=history)
         if phases is not None:
             phases.pop("_mark", None)
         mx.eval([(c.keys, c.values) for c in cache])
     else:
         cache = make_prompt_cache(target)
-    return SwitchResult(cache, tokens[0, end:], time.perf_counter() - t0)
+    layers = history.layers if history is not None else {}
+    mx.eval(list(layers.values()))
+    return SwitchResult(cache, tokens[0, end:], time.perf_counter() - t0, history=layers)
 
 
 def switch_text(
@@ -293,7 +315,8 @@ def switch_text(
     if len(alignment.target_tokens) < 2:
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
     tokens = mx.array(alignment.target_tokens)[None]
-    result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                            early=early)
-    return recompute_salient(target, translator, result, alignment.target_tokens, recompute,
+    spans = choose_recompute(translator, alignment.target_tokens, m, recompute,
                              (text, alignment.target_offsets))
+    result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
+                            early=early, history=_history(spans))
+    return _defer(result, spans, alignment.target_tokens)

@@ -12,9 +12,12 @@ of a T-token context cost about n / T of a re-prefill, plus one pass's fixed ove
 A switch folds that pass into its first step (:func:`recompute_and_read`): the
 tokens it reads after the context ride in the same sequence.
 
-Sliding-window layers attend to the positions before a that the translated cache
-still holds (a switch keeps only a window's worth); a span older than that sees
-only itself, and the recomputed positions within its window, in those layers.
+Sliding-window layers attend to the positions before a within their window. A
+switch keeps only the last window's worth, so it translates the older rows a
+recompute reads beside the cache (kernel.History), and the pass reads them there.
+Without them (a conversation's cache, :func:`recompute_spans` without
+``history``), a span older than the window sees only itself, and the recomputed
+positions within its window, in those layers.
 """
 
 import bisect
@@ -128,10 +131,12 @@ def _first_held(c, end: int) -> int:
     raise KvlingoError(f"Cannot recompute positions in a {type(c).__name__}.")
 
 
-def _by_position(c, end: int, top: int) -> Tuple[mx.array, mx.array, mx.array]:
+def _by_position(c, end: int, top: int, older: Optional[Tuple] = None
+                 ) -> Tuple[mx.array, mx.array, mx.array]:
     """Layer cache ``c``'s keys and values of positions 0..top-1 in position order
     (positions it does not hold, before a sliding window or from ``end`` on: zeros),
-    and which positions it holds."""
+    and which positions it holds. ``older``: (lo, keys, values), rows of positions
+    lo.. before the ones ``c`` holds (kernel.History), held too."""
     first = _first_held(c, end)
     B, H, _, D = c.keys.shape
     Dv = c.values.shape[-1]
@@ -141,16 +146,21 @@ def _by_position(c, end: int, top: int) -> Tuple[mx.array, mx.array, mx.array]:
         v = [c.values[..., r: r + n, :] for _, r, n in runs]
     else:
         k, v = [c.keys[..., :end, :]], [c.values[..., :end, :]]
-    if first:
-        k.insert(0, mx.zeros((B, H, first, D), c.keys.dtype))
-        v.insert(0, mx.zeros((B, H, first, Dv), c.values.dtype))
+    lo = first
+    if older is not None and first:
+        lo, ok, ov = older
+        k.insert(0, ok[..., : first - lo, :].astype(c.keys.dtype))
+        v.insert(0, ov[..., : first - lo, :].astype(c.values.dtype))
+    if lo:
+        k.insert(0, mx.zeros((B, H, lo, D), c.keys.dtype))
+        v.insert(0, mx.zeros((B, H, lo, Dv), c.values.dtype))
     if top > end:
         k.append(mx.zeros((B, H, top - end, D), c.keys.dtype))
         v.append(mx.zeros((B, H, top - end, Dv), c.values.dtype))
     keys = k[0] if len(k) == 1 else mx.concatenate(k, axis=2)
     values = v[0] if len(v) == 1 else mx.concatenate(v, axis=2)
     positions = mx.arange(top)
-    return keys, values, (positions >= first) & (positions < end)
+    return keys, values, (positions >= lo) & (positions < end)
 
 
 def _write_rows(c, keys: mx.array, values: mx.array, positions: Sequence[int], end: int):
@@ -171,20 +181,22 @@ def _write_rows(c, keys: mx.array, values: mx.array, positions: Sequence[int], e
 
 
 def recompute_spans(target: nn.Module, cache: List, tokens: Sequence[int],
-                    spans: Sequence[Span]) -> float:
+                    spans: Sequence[Span], history: Optional[dict] = None) -> float:
     """Recompute the positions of each span [a, b) of ``cache`` (which holds
     ``tokens[:T]``, T >= every b) natively, as if span after span in position order:
     each attends to the cache before it, earlier spans already recomputed, and to
-    itself. All spans go through the target in one pass. Returns the seconds taken."""
+    itself. All spans go through the target in one pass. ``history``: layer ->
+    (lo, keys, values), rows older than a sliding layer keeps (kernel.History).
+    Returns the seconds taken."""
     t0 = time.perf_counter()
     if spans:
-        _one_pass(target, cache, tokens, spans)
+        _one_pass(target, cache, tokens, spans, history=history)
     return time.perf_counter() - t0
 
 
 def recompute_and_read(target: nn.Module, cache: List, tokens: Sequence[int],
-                       spans: Sequence[Span], inputs: Sequence[int], keep: int = 1
-                       ) -> mx.array:
+                       spans: Sequence[Span], inputs: Sequence[int], keep: int = 1,
+                       history: Optional[dict] = None) -> mx.array:
     """:func:`recompute_spans`, and the target reading ``inputs`` (the tokens after
     the cache's end), in one pass over its weights: the inputs attend to the
     recomputed positions as if read after the recompute. Returns the logits
@@ -198,11 +210,12 @@ def recompute_and_read(target: nn.Module, cache: List, tokens: Sequence[int],
         raise KvlingoError("Nothing to read: inputs is empty.")
     if not spans:
         return last_logits(target, mx.array([list(inputs)]), cache, keep)
-    return _one_pass(target, cache, tokens, spans, list(inputs), keep)
+    return _one_pass(target, cache, tokens, spans, list(inputs), keep, history)
 
 
 def _one_pass(target: nn.Module, cache: List, tokens: Sequence[int], spans: Sequence[Span],
-              inputs: Sequence[int] = (), keep: int = 1) -> Optional[mx.array]:
+              inputs: Sequence[int] = (), keep: int = 1, history: Optional[dict] = None
+              ) -> Optional[mx.array]:
     """The selected positions, then ``inputs`` at the positions after the cache's
     end, as one sequence through the target (see :class:`_PassView`)."""
     spans = sorted(spans)
@@ -219,7 +232,9 @@ def _one_pass(target: nn.Module, cache: List, tokens: Sequence[int], spans: Sequ
     positions = mx.array(chosen + list(range(end, top)))
     selected = mx.zeros((top,), dtype=mx.bool_)
     selected[positions] = True
-    views = [_PassView(*_by_position(c, end, top), positions, selected) for c in cache]
+    history = history or {}
+    views = [_PassView(*_by_position(c, end, top, history.get(i)), positions, selected)
+             for i, c in enumerate(cache)]
     ids = mx.array([[tokens[p] for p in chosen] + list(inputs)])
     logits = None
     with _roped_at(target, positions, top):
