@@ -35,6 +35,8 @@ def main(argv=None):
     p.add_argument("--recompute", default="",
                    help="comma-separated budgets (0.1 = 10%% of the context) of switches that "
                    "recompute fact-like words")
+    p.add_argument("--recompute-max", type=int, default=0,
+                   help="the most positions each recompute budget may come to (0: no limit)")
     p.add_argument("--oracle", action="store_true",
                    help="also a switch that recomputes the fact sentence (an upper bound)")
     p.add_argument("--session", action="store_true",
@@ -69,7 +71,8 @@ def main(argv=None):
         result = measure_recall(src, stok, tgt, ttok, translator, items,
                                 native_tail=args.native_tail, recompute=budgets,
                                 oracle=args.oracle, source_name=args.source,
-                                target_name=args.target, checkpoint=args.checkpoint)
+                                target_name=args.target, checkpoint=args.checkpoint,
+                                recompute_max=args.recompute_max)
     print(format_table(result))
     if args.json:
         out = result.to_dict()

@@ -22,10 +22,10 @@ import mlx.core as mx
 
 from mlx_kvlingo.pairs.shipped import ASSETS, SHIPPED
 from mlx_kvlingo.translator.maps import (
-    METADATA_KEY,
     file_quantization,
     load_translator,
     read_safetensors_header,
+    rewrite_spec,
 )
 
 KEYS = {("smollm2", "gemma3"): "s2g", ("gemma3", "smollm2"): "g2s"}
@@ -53,13 +53,6 @@ def file_bits(path: Path):
     its header alone (load_translator's own reading of it)."""
     metadata = read_safetensors_header(path).get("__metadata__") or {}
     return file_quantization(path, metadata)
-
-
-def rewrite_metadata(src: Path, out: Path, spec) -> None:
-    """Copy a translator file's tensors unchanged under a new spec (its metadata)."""
-    arrays, metadata = mx.load(str(src), return_metadata=True)
-    metadata[METADATA_KEY] = spec.to_json()
-    mx.save_safetensors(str(out), arrays, metadata)
 
 
 def main():
@@ -91,7 +84,7 @@ def main():
             t.spec.native_tail = args.native_tail
         out = ASSETS / name
         if args.bits is not None and file_bits(src) == args.bits:
-            rewrite_metadata(src, out, t.spec)
+            rewrite_spec(src, out, t.spec)
         else:
             t.save(out, dtype=mx.float16, bits=args.bits)
         print(f"{src} -> {out} ({out.stat().st_size / 2**20:.1f} MB)")

@@ -7,7 +7,7 @@ by default SmolLM2 <-> Gemma 3 with their 16-token native tail; Austen text).
         [--s2g OTHER.safetensors] [--g2s OTHER.safetensors]
 
     python benchmarks/switch_cost_recompute.py --pairs qwen2.5-coder-0.5b:qwen2.5-coder-1.5b \
-        --tokens 512,2048 --recompute 0.1 --rounds 2
+        --tokens 512,2048 --recompute 0.1 --recompute-max 128 --rounds 2
 
 ``--s2g`` / ``--g2s``: other translator files (e.g. compressed ones) timed beside the shipped
 ones in the same interleaved rounds.
@@ -33,7 +33,8 @@ from mlx_kvlingo.translator.align import tokenize_with_offsets
 from mlx_kvlingo.translator.maps import load_translator
 
 
-def time_direction(source, target, lengths, shares, rounds, files=(), native_tail=None):
+def time_direction(source, target, lengths, shares, rounds, files=(), native_tail=None,
+                   most=0):
     """Each translator (the shipped one, then ``files``) with each recompute share,
     and the re-prefill, interleaved."""
     src, stok, tgt, ttok = load_pair(source, target)
@@ -50,7 +51,7 @@ def time_direction(source, target, lengths, shares, rounds, files=(), native_tai
         def switched(translator, share):
             res = switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
                               native_tail=native_tail, source_tokens=source_tokens,
-                              recompute=share)
+                              recompute=share, recompute_max=most)
             first_step(tgt, res)
 
         def reprefill():
@@ -60,7 +61,8 @@ def time_direction(source, target, lengths, shares, rounds, files=(), native_tai
         runs = {"re-prefill": reprefill}
         for name, t in translators.items():
             runs[f"switch{name}"] = lambda t=t: switched(t, 0.0)
-            runs.update({f"switch + recompute {s:.0%}{name}": (lambda t=t, s=s: switched(t, s))
+            cap = f" (at most {most})" if most else ""
+            runs.update({f"switch + recompute {s:.0%}{cap}{name}": (lambda t=t, s=s: switched(t, s))
                          for s in shares})
         med = interleaved_medians(runs, rounds)
         out[n] = {"tokens": ids.shape[1], "median_s": med,
@@ -82,6 +84,8 @@ def main():
                     help="Another Gemma 3 -> SmolLM2 translator file to time beside the shipped")
     ap.add_argument("--pairs", default="smollm2:gemma3,gemma3:smollm2",
                     help="SOURCE:TARGET pairs with shipped translators, comma-separated")
+    ap.add_argument("--recompute-max", type=int, default=0,
+                    help="the most positions each recompute share may come to (0: no limit)")
     ap.add_argument("--native-tail", type=int, default=None,
                     help="default: each translator's own (16 for SmolLM2 <-> Gemma 3)")
     args = ap.parse_args()
@@ -90,7 +94,7 @@ def main():
     others = {("smollm2", "gemma3"): args.s2g, ("gemma3", "smollm2"): args.g2s}
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
     out = {f"{s}->{t}": time_direction(s, t, lengths, shares, args.rounds, others.get((s, t), ()),
-                                       args.native_tail)
+                                       args.native_tail, args.recompute_max)
            for s, t in pairs}
     out.update(conditions=args.note, environment=environment())
     if args.json:

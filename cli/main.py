@@ -387,12 +387,15 @@ def eval_cmd(
     recompute: str = typer.Option(
         "", help="--task recall: comma-separated budgets (0.1 = 10%% of the context) of "
         "switches whose fact-like words the target recomputes."),
+    recompute_max: int = typer.Option(
+        0, help="--task recall: the most positions each budget may come to (0: no limit)."),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length; or (--task recall) long-range recall
     with exact match, answer NLL and time to first token."""
     if task == "recall":
-        return _recall(source, target, translator, tokens, items, recompute, json_out)
+        return _recall(source, target, translator, tokens, items, recompute, json_out,
+                       recompute_max)
     if task != "cbr":
         fail(f"--task is cbr or recall, not {task!r}.")
     if not translator:
@@ -419,7 +422,7 @@ def eval_cmd(
     _run(go)
 
 
-def _recall(source, target, translator, tokens, items, recompute, json_out):
+def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0):
     from mlx_kvlingo.measure.recall import format_table, run_recall
     from mlx_kvlingo.pairs.shipped import translator_for
 
@@ -435,7 +438,7 @@ def _recall(source, target, translator, tokens, items, recompute, json_out):
         # Scored items go next to the report as they finish: a rerun resumes.
         checkpoint = json_out.with_suffix(".items.jsonl") if json_out else None
         result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo,
-                            checkpoint=checkpoint)
+                            checkpoint=checkpoint, recompute_max=recompute_max)
         typer.echo(format_table(result))
         if json_out:
             json_out.write_text(json.dumps(result.to_dict(), indent=2))
@@ -476,10 +479,14 @@ def switch_cmd(
     gate_threshold: Optional[float] = typer.Option(
         None, help="Gate threshold (nats/token over the no-context NLL; default: the "
         "translator's recorded one, else 0)."),
-    recompute: float = typer.Option(
-        0.0, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
+    recompute: Optional[float] = typer.Option(
+        None, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
         "translation, on the words that look like facts (numbers, names, identifiers): "
-        "what a translated cache loses first."),
+        "what a translated cache loses first. Default: the translator's (see "
+        "`mlx-kvlingo defaults`)."),
+    recompute_max: Optional[int] = typer.Option(
+        None, help="The most positions the recompute may come to (0: no limit; default: "
+        "the translator's)."),
     fact_gate: Optional[float] = typer.Option(
         None, help="Fact probe threshold (nats): the target is asked to continue the "
         "context's most fact-like words on the switched cache, and re-prefills when their "
@@ -515,7 +522,7 @@ def switch_cmd(
 
             judge = QualityGate(threshold=gate_threshold)
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
-                       recompute=recompute, fact_gate=fact_gate)
+                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max)
         if "fact_gate" in r:
             f = r["fact_gate"]
             nll = "none" if f["probe_nll"] is None else f"{f['probe_nll']:.3f} nats"
@@ -536,6 +543,46 @@ def switch_cmd(
             typer.echo(f"--- time to first token after re-prefill: {r['prefill_ttft_s'] * 1e3:.1f} ms; "
                        f"switch is {r['ratio']:.1f}x faster; answers agree on the first "
                        f"{r['agreeing_prefix']} of {len(r['switch_tokens'])} tokens")
+
+    _run(go)
+
+
+@app.command()
+def defaults(
+    translator: Path = typer.Argument(..., help="Translator file."),
+    native_tail: Optional[int] = typer.Option(
+        None, help="Last context tokens the target computes itself at a switch."),
+    recompute: Optional[float] = typer.Option(
+        None, help="Share of the context (0.1 = 10%%) the target recomputes itself at a "
+        "switch, on its fact-like words (0: none)."),
+    recompute_max: Optional[int] = typer.Option(
+        None, help="The most positions that share may come to (0: no limit)."),
+    out: Optional[Path] = typer.Option(
+        None, help="Write the file with the new defaults here (default: in place)."),
+):
+    """Show a translator file's switch defaults, or set them (the maps are kept byte
+    for byte): what a switch, a chat or a server does when not told otherwise."""
+    from dataclasses import replace
+
+    from mlx_kvlingo.switching.api import RecomputeBudget
+    from mlx_kvlingo.translator.maps import load_translator, rewrite_spec
+
+    def go():
+        spec = load_translator(translator).spec
+        changes = {k: v for k, v in [("native_tail", native_tail), ("recompute", recompute),
+                                     ("recompute_max", recompute_max)] if v is not None}
+        if changes:
+            if native_tail is not None and native_tail < 0:
+                raise KvlingoError(f"--native-tail is a count >= 0, not {native_tail}.")
+            budget = RecomputeBudget.of(load_translator(translator), recompute, recompute_max)
+            spec = replace(spec, **changes)
+            spec.recompute = budget.share
+            spec.recompute_max = budget.most if budget.share else 0
+            rewrite_spec(translator, out or translator, spec)
+            load_translator(out or translator)  # what was written reads back
+            typer.echo(f"Wrote {out or translator}")
+        cap = f", at most {spec.recompute_max} positions" if spec.recompute_max else ""
+        typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{cap}")
 
     _run(go)
 

@@ -48,10 +48,14 @@ def register(app: typer.Typer):
         max_conversations: int = typer.Option(32, help="Conversations kept (LRU)."),
         max_cache_mb: int = typer.Option(4096, help="Bytes of caches kept (MiB, LRU)."),
         cache_dir: Optional[Path] = typer.Option(None, help="Where fitted translators are kept."),
-        recompute: float = typer.Option(
-            0.0, help="Share of the translated positions (0.1 = 10%%) the reading model "
+        recompute: Optional[float] = typer.Option(
+            None, help="Share of the translated positions (0.1 = 10%%) the reading model "
             "recomputes itself, on the words that look like facts (numbers, names, "
-            "identifiers): what a translated cache loses first."),
+            "identifiers): what a translated cache loses first. Default: the translator's "
+            "(0 for most files; see `mlx-kvlingo defaults`)."),
+        recompute_max: Optional[int] = typer.Option(
+            None, help="The most positions one catch-up recomputes (0: no limit; default: "
+            "the translator's)."),
     ):
         """Serve the models over an OpenAI-compatible API (/v1/chat/completions):
         a conversation moves between models by translating its cache."""
@@ -62,5 +66,6 @@ def register(app: typer.Typer):
             gate_threshold=gate_threshold, fit_missing=fit_missing, fit_tokens=fit_tokens,
             max_queue=max_queue, max_tokens=max_tokens, default_max_tokens=default_max_tokens,
             max_body_kb=max_body_kb, max_conversations=max_conversations,
-            max_cache_mb=max_cache_mb, cache_dir=cache_dir, recompute=recompute)
+            max_cache_mb=max_cache_mb, cache_dir=cache_dir, recompute=recompute,
+            recompute_max=recompute_max)
         _run(lambda: run_server(options, log=typer.echo))

@@ -158,10 +158,14 @@ def register(app: typer.Typer):
         cache_dir: Optional[Path] = typer.Option(
             None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
             "or ~/.cache/mlx-kvlingo)."),
-        recompute: float = typer.Option(
-            0.0, help="Share of the translated positions (0.1 = 10%%) the reading model "
+        recompute: Optional[float] = typer.Option(
+            None, help="Share of the translated positions (0.1 = 10%%) the reading model "
             "recomputes itself, on the words that look like facts (numbers, names, "
-            "identifiers): what a translated cache loses first."),
+            "identifiers): what a translated cache loses first. Default: the translator's "
+            "(0 for most files; see `mlx-kvlingo defaults`)."),
+        recompute_max: Optional[int] = typer.Option(
+            None, help="The most positions one catch-up recomputes (0: no limit; default: "
+            "the translator's)."),
     ):
         """Chat with two or more models, switching with /switch NAME: each model
         translates what the others wrote instead of re-reading it."""
@@ -169,7 +173,8 @@ def register(app: typer.Typer):
 
         def go():
             session = build_session(model or [], translator or [], fit_missing, fit_tokens,
-                                    cache_dir, system, log=typer.echo, recompute=recompute)
+                                    cache_dir, system, log=typer.echo, recompute=recompute,
+                                    recompute_max=recompute_max)
             start = first or session.model_names[0]
             if start not in session.model_names:
                 raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")

@@ -27,7 +27,7 @@ def run_cli(*args, check=True, timeout=600):
 def test_help_lists_the_commands():
     out = run_cli("--help").stdout
     for command in ("inspect", "fit", "train", "eval", "switch", "demo", "fetch-models",
-                    "chat", "convert-cache", "bench", "push", "compress"):
+                    "chat", "convert-cache", "bench", "push", "compress", "defaults"):
         assert re.search(rf"\b{command}\b", out), command
 
 
@@ -70,6 +70,26 @@ def test_switch_compare_reports_both_times(fitted_translator, toy_pair_dirs):
     out = proc.stdout
     assert "time to first token after switch" in out
     assert re.search(r"switch is [\d.]+x faster", out)
+
+
+def test_defaults_shows_and_sets_a_files_switch_defaults(fitted_translator, tmp_path):
+    """`defaults` prints a file's native tail and recompute budget and writes new
+    ones to --out, the maps unchanged; bad values are refused, nothing written."""
+    import mlx.core as mx
+
+    out = tmp_path / "with-defaults.safetensors"
+    assert "recompute 0%" in run_cli("defaults", fitted_translator).stdout
+    said = run_cli("defaults", fitted_translator, "--recompute", "0.1", "--recompute-max",
+                   "128", "--native-tail", "4", "--out", out).stdout
+    assert "native tail 4; recompute 10%, at most 128 positions" in said
+    t, before = load_translator(out), load_translator(fitted_translator)
+    assert (t.spec.recompute, t.spec.recompute_max, t.spec.native_tail) == (0.1, 128, 4)
+    assert before.spec.recompute == 0.0
+    for a, b in zip(t.k_maps + t.v_maps, before.k_maps + before.v_maps):
+        assert mx.array_equal(a.weight, b.weight)
+    bad = run_cli("defaults", out, "--recompute", "1.5", check=False)
+    assert bad.returncode != 0 and "share of the context" in bad.stderr + bad.stdout
+    assert load_translator(out).spec.recompute == 0.1
 
 
 def test_compress_writes_a_cheaper_translator_that_switches(fitted_translator, toy_pair_dirs,

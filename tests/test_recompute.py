@@ -322,3 +322,33 @@ def test_a_folded_read_after_a_wrapped_sliding_window_is_a_plain_read():
     want = last_logits(m, mx.array([ids[24:]]), plain, keep=3)
     assert mx.abs(got - want).max().item() < 1e-3
     assert caches_close(cache, plain)
+
+
+def test_a_recompute_budget_is_a_share_up_to_a_cap_and_defaults_to_the_translators(toy_pair):
+    """RecomputeBudget: a share of the context's positions, at most ``most``; a
+    switch without a budget of its own recomputes the translator's default
+    (spec.recompute, spec.recompute_max), one given overrides it (0: none), and a
+    switch from token ids alone (no text to find words in) skips the default."""
+    from mlx_kvlingo.switching.api import RecomputeBudget, switch_text
+    from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+    assert RecomputeBudget(0.1, 128).positions(550) == 55
+    assert RecomputeBudget(0.1, 128).positions(2048) == 128
+    assert RecomputeBudget(0.1, 0).positions(2048) == 204
+    src, stok, _, _ = toy_pair
+    t = identity_translator(src, stok)
+    t.spec.recompute, t.spec.recompute_max = 0.5, 4
+    text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
+            "Nothing else of note happened that day, and the file was closed again.")
+
+    def chosen(**kw):
+        r = switch_text(src, stok, src, stok, t, text, native_tail=0, **kw)
+        return sum(b - a for a, b in r.deferred)
+
+    assert 0 < chosen() <= 4
+    assert chosen(recompute_max=0) > 4
+    assert chosen(recompute=0.0) == 0
+    ids = tokenize_with_offsets(stok, text)[0]
+    assert switch(src, src, t, ids, native_tail=0).deferred == []
+    with pytest.raises(KvlingoError, match="number of positions"):
+        switch_text(src, stok, src, stok, t, text, recompute_max=-2)

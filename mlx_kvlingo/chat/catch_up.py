@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
-from ..switching.api import translate_aligned, translate_span
+from ..switching.api import RecomputeBudget, translate_aligned, translate_span
 from ..switching.recompute import recompute_spans, salient_spans, token_offsets
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
@@ -43,13 +43,13 @@ def catch_up_gated(session, name: str, end: int, report: TurnReport):
     if m < 1 or not pending:
         catch_up(session, name, end, report)
         if report.translated:
-            recompute_facts(session, name, start, end, report)
+            recompute_facts(session, name, start, end, report, pending)
         return
     catch_up(session, name, end - m, report)
     if not report.translated:
         catch_up(session, name, end, report)
         return
-    recompute_facts(session, name, start, end - m, report)
+    recompute_facts(session, name, start, end - m, report, pending)
     report.native_tail = m
     if g < 2:  # no gate (a 1-token gate cannot score): the whole tail is prefilled
         g = 0
@@ -202,16 +202,30 @@ def restore(session, name: str, length: int):
     view.processed[name] = length
 
 
-def recompute_facts(session, name: str, lo: int, hi: int, report: TurnReport):
-    """After a catch-up translated positions lo..hi-1: the model recomputes the
-    fact-like words among them itself, up to ``session.recompute`` of them."""
-    if not session.recompute or hi - lo < 2:
+def recompute_facts(session, name: str, lo: int, hi: int, report: TurnReport, translators=()):
+    """After a catch-up translated positions lo..hi-1 (with ``translators``): the
+    model recomputes the fact-like words among them itself, up to the session's
+    recompute budget (its own, or the translators' defaults)."""
+    budget = _recompute_budget(session, translators)
+    count = budget.positions(hi - lo)
+    if not count or hi - lo < 2:
         return
     t0 = time.perf_counter()
     entry, view = session.entry(name), session.transcript_of(name)
     text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
     spans = [(a + lo, b + lo) for a, b in salient_spans(
-        text, offsets, int(session.recompute * (hi - lo)), lo=1 if lo == 0 else 0)]
+        text, offsets, count, lo=1 if lo == 0 else 0)]
     recompute_spans(entry.model, entry.cache, view.tokens, spans)
     report.recomputed += sum(b - a for a, b in spans)
     report.translate_s += time.perf_counter() - t0
+
+
+def _recompute_budget(session, translators) -> RecomputeBudget:
+    """The session's recompute share and cap; what it leaves unset (None), the
+    largest default among the translators that wrote the catch-up's spans."""
+    specs = [t.spec for t in translators]
+    share = session.recompute if session.recompute is not None else max(
+        [getattr(s, "recompute", 0.0) for s in specs] + [0.0])
+    most = session.recompute_max if session.recompute_max is not None else max(
+        [getattr(s, "recompute_max", 0) for s in specs] + [0])
+    return RecomputeBudget(share, most)

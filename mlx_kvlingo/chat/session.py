@@ -90,7 +90,10 @@ class Session:
     translation (None: no gate).
     ``recompute``: after a catch-up translates, the model recomputes the words that
     look like facts (numbers, names, identifiers) among the translated positions
-    itself, up to this share of them (0.1 = 10 %): what a translated cache loses first.
+    itself, up to this share of them (0.1 = 10 %; 0: none): what a translated cache
+    loses first. ``recompute_max``: the most positions a catch-up recomputes (0: no
+    limit). None (default): the translators' own defaults (``spec.recompute``,
+    ``spec.recompute_max``).
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;
@@ -111,7 +114,8 @@ class Session:
         system_prompt: Optional[str] = None,
         chat_template: Optional[bool] = None,
         gate=None,
-        recompute: float = 0.0,
+        recompute: Optional[float] = None,
+        recompute_max: Optional[int] = None,
     ):
         self._models: Dict[str, _Entry] = {}
         self._translators: Dict[Tuple[str, str], Translator] = {}
@@ -122,7 +126,7 @@ class Session:
         self._use_template = chat_template
         self.system_prompt = system_prompt
         self.gate = gate
-        self.recompute = recompute
+        self.recompute, self.recompute_max = _checked_budget(recompute, recompute_max)
         self.messages: List[Message] = []
         self._message_pieces: List[int] = []  # per message: its text piece id
         self._next_piece = 0
@@ -169,7 +173,8 @@ class Session:
         """A new, empty conversation with this session's models, translators and
         settings (nothing loaded or checked again: cheap)."""
         s = Session(system_prompt=self.system_prompt, chat_template=self._use_template,
-                    gate=self.gate, recompute=self.recompute)
+                    gate=self.gate, recompute=self.recompute,
+                    recompute_max=self.recompute_max)
         for fp, v in self._views.items():
             s._views[fp] = Transcript(v.tokenizer, self._use_template)
         for name, e in self._models.items():
@@ -585,3 +590,13 @@ def _as_messages(message: MessageInput) -> List[Message]:
             )
         out.append(dict(m))
     return out
+
+
+def _checked_budget(share: Optional[float], most: Optional[int]):
+    """A Session's recompute share and cap, refused when out of range (None: the
+    translators' defaults, resolved per catch-up)."""
+    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 1):
+        raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
+    if most is not None and not (isinstance(most, int) and most >= 0):
+        raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
+    return share, most

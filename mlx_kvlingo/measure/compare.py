@@ -15,7 +15,7 @@ from mlx_lm.generate import stream_generate
 
 from ..chat.gate import guard_facts, judge_switch
 from ..models.cache import prefill
-from ..switching.api import switch, switch_text
+from ..switching.api import RecomputeBudget, switch, switch_text
 from ..switching.generate import generate_after_switch
 from ..switching.kernel import check_fits
 from ..switching.recompute import token_offsets
@@ -35,12 +35,14 @@ def first_token_time(responses):
 
 
 def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
-               gate=None, recompute: float = 0.0, fact_gate: Optional[float] = None):
+               gate=None, recompute: Optional[float] = None, fact_gate: Optional[float] = None,
+               recompute_max: Optional[int] = None):
     """Switch a context from src to tgt and generate; optionally re-prefill too.
 
     ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
     QualityGate judging the switch (its native tail, at least ``gate.tokens``).
-    ``recompute``: the share of the context the target recomputes on fact-like words.
+    ``recompute``, ``recompute_max``: the share of the context the target recomputes
+    on fact-like words, and the most positions (None: the translator's defaults).
     ``fact_gate``: a threshold for the switched cache's fact probe
     (chat.gate.guard_facts), above which the target re-prefills instead.
     Returns a dict of timings (medians over ``repeats``) and the answers.
@@ -55,19 +57,22 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
 
         def translate(source_cache):
             return switch_text(src, src_tok, tgt, tgt_tok, translator, context, source_cache,
-                               native_tail=tail, source_tokens=tokenized, recompute=recompute)
+                               native_tail=tail, source_tokens=tokenized, recompute=recompute,
+                               recompute_max=recompute_max)
     else:
         tokens = src_tok.encode(context) if isinstance(context, str) else list(context)
         source_tokens, target_tokens = tokens[:-1], tokens
 
         text = None
-        if recompute or fact_gate is not None:  # the text the fact-like words are found in
+        budget = RecomputeBudget.of(translator, recompute, recompute_max)
+        if budget.share or fact_gate is not None:  # the text the fact-like words are found in
             text = ((context, tokenize_with_offsets(src_tok, context)[1])
                     if isinstance(context, str) else token_offsets(src_tok, tokens))
 
         def translate(source_cache):
             return switch(src, tgt, translator, tokens, source_cache=source_cache,
-                          native_tail=tail, recompute=recompute, text=text)
+                          native_tail=tail, recompute=budget.share, text=text,
+                          recompute_max=budget.most)
 
     bos = getattr(tgt_tok, "bos_token_id", None)
     specials = target_tokens[:1] if bos is not None and target_tokens[0] == bos else []

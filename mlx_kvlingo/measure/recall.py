@@ -172,16 +172,18 @@ def read_source(source: nn.Module, source_tokenizer, translator: Translator, pro
 
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
                  translator: Translator, prompt: str, native_tail: Optional[int] = None,
-                 read=None, recompute: float = 0.0) -> SwitchResult:
+                 read=None, recompute: float = 0.0, recompute_max: int = 0) -> SwitchResult:
     """The switch, from what the source holds (``read``, from :func:`read_source`;
-    read now, not timed, when not given)."""
+    read now, not timed, when not given), recomputing exactly the budget given (not
+    the translator's default)."""
     source_cache, source_tokens = read or read_source(source, source_tokenizer, translator,
                                                       prompt)
     if translator.cross_tokenizer:
         return switch_text(source, source_tokenizer, target, target_tokenizer, translator,
-                           prompt, source_cache, native_tail, source_tokens, recompute)
+                           prompt, source_cache, native_tail, source_tokens, recompute,
+                           recompute_max)
     return switch(source, target, translator, source_tokens[0], source_cache, native_tail,
-                  recompute, (prompt, source_tokens[1]))
+                  recompute, (prompt, source_tokens[1]), recompute_max)
 
 
 # ---------------------------------------------------------------------------
@@ -203,8 +205,9 @@ def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List
     return [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
 
 
-def recompute_setting(budget: float) -> str:
-    return f"switch + recompute {budget:.0%}"
+def recompute_setting(budget: float, most: int = 0) -> str:
+    cap = f" (at most {most})" if most else ""
+    return f"switch + recompute {budget:.0%}{cap}"
 
 
 # A run over many items takes long on a big target (a minute an item for a 1.5B on
@@ -251,12 +254,14 @@ def measure_recall(
     recompute: Sequence[float] = (), oracle: bool = False,
     log: Callable[[str], None] = print, source_name: str = "source",
     target_name: str = "target", checkpoint: Optional[Union[str, Path]] = None,
+    recompute_max: int = 0,
 ) -> RecallResult:
     """Score every item under every setting (module docstring), items in order and
     settings interleaved per item so that the machine's load is shared alike.
 
     ``recompute``: budgets (fractions of the context) of switches whose fact-like
-    words the target recomputes (``switching.recompute.salient_spans``); ``oracle``:
+    words the target recomputes (``switching.recompute.salient_spans``), each at most
+    ``recompute_max`` positions (0: no limit); ``oracle``:
     also a switch that recomputes the item's fact sentence, which only the item
     knows. Each switch setting gets its own equal-time truncation.
 
@@ -268,7 +273,8 @@ def measure_recall(
     def add(setting, score):
         scores.setdefault(setting, []).append(score)
 
-    switches = [SWITCH] + [recompute_setting(b) for b in recompute] + ([ORACLE] if oracle else [])
+    recomputed = [recompute_setting(b, recompute_max) for b in recompute]
+    switches = [SWITCH] + recomputed + ([ORACLE] if oracle else [])
     per_item = ([NATIVE] + switches + [f"last {n}" for n in truncations] + [NONE])
     done = load_checkpoint(checkpoint, items, per_item)
     if done:
@@ -286,13 +292,15 @@ def measure_recall(
         add(NATIVE, score_state(target, target_tokenizer, native_state(target, ids), answer,
                                 item.answer))
         read = read_source(source, source_tokenizer, translator, item.prompt)
-        choices = [(SWITCH, 0.0, None)] + [(recompute_setting(b), b, None) for b in recompute]
+        choices = [(SWITCH, 0.0, None)] + [(name, b, None) for name, b in zip(recomputed,
+                                                                               recompute)]
         if oracle:
             choices.append((ORACLE, 0.0, lambda end: merge_spans(
                 fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end)))
         for setting, share, select in choices:
             state = switch_state(source, source_tokenizer, target, target_tokenizer,
-                                 translator, item.prompt, native_tail, read, share)
+                                 translator, item.prompt, native_tail, read, share,
+                                 recompute_max)
             if select is not None:
                 state.deferred = select(len(ids) - state.pending.size)
                 state.context = list(ids)
@@ -315,7 +323,7 @@ def measure_recall(
     times[statistics.median(len(ids) for ids, _ in prepared)] = statistics.median(
         s.ttft_s for s in scores[NATIVE])
     equal = {}
-    for setting in [SWITCH] + [recompute_setting(b) for b in recompute]:
+    for setting in [SWITCH] + recomputed:
         n_eq = equal_time_tokens(times, statistics.median(s.ttft_s for s in scores[setting]))
         equal[setting] = n_eq
         name = EQUAL_TIME if setting == SWITCH else f"{EQUAL_TIME} ({setting})"
@@ -346,7 +354,8 @@ def run_recall(source: str, target: str, translator: Translator, tokens: int = 5
                count: int = 48, kinds: Sequence[str] = KINDS, recompute: Sequence[float] = (),
                oracle: bool = False, native_tail: Optional[int] = None, seed: int = 0,
                log: Callable[[str], None] = print,
-               checkpoint: Optional[Union[str, Path]] = None) -> RecallResult:
+               checkpoint: Optional[Union[str, Path]] = None,
+               recompute_max: int = 0) -> RecallResult:
     """Load the two models and score ``count`` recall items of about ``tokens``
     target tokens, built from held-out text (``data.recall.heldout_filler``)."""
     src, src_tok, tgt, tgt_tok = load_pair(source, target, log=log)
@@ -355,4 +364,5 @@ def run_recall(source: str, target: str, translator: Translator, tokens: int = 5
                          kinds=kinds, seed=seed)
     return measure_recall(src, src_tok, tgt, tgt_tok, translator, items, native_tail=native_tail,
                           recompute=recompute, oracle=oracle, log=log, source_name=source,
-                          target_name=target, checkpoint=checkpoint)
+                          target_name=target, checkpoint=checkpoint,
+                          recompute_max=recompute_max)

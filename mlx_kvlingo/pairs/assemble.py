@@ -53,22 +53,24 @@ def match_translator(translator, session, path: str):
 
 def build_session(models: Sequence[str], translators: Sequence[str] = (), fit_missing: bool = True,
                   fit_tokens: int = 10_000, cache_dir=None, system: Optional[str] = None,
-                  log: Callable[[str], None] = print, recompute: float = 0.0) -> Session:
+                  log: Callable[[str], None] = print, recompute: Optional[float] = None,
+                  recompute_max: Optional[int] = None) -> Session:
     """A Session over the models named ``NAME=PATH`` (or ``PATH``), with the
     translators given as ``SOURCE:TARGET=FILE`` (or ``FILE``, matched to the models
     it fits), the shipped ones between models named by their short names, and, with
     ``fit_missing``, a stage-1 translator fitted on the spot for every other
-    direction. No models: the built-in pair. ``recompute``: see :class:`Session`."""
+    direction. No models: the built-in pair. ``recompute``, ``recompute_max``: see
+    :class:`Session`."""
     if not models:
         if translators:
             raise KvlingoError("--translator needs --model (the built-in pair brings its own).")
         log("No --model given: using the built-in pair (small = qwen3, large = llama).")
         return builtin_session(cache_dir, fit_tokens, log=log, system_prompt=system,
-                               recompute=recompute)
+                               recompute=recompute, recompute_max=recompute_max)
     paths = parse_models(models)
     if len(paths) < 2:
         raise KvlingoError("Give at least two --model options (or none for the built-in pair).")
-    session = Session(system_prompt=system, recompute=recompute)
+    session = Session(system_prompt=system, recompute=recompute, recompute_max=recompute_max)
     for name, path in paths.items():
         log(f"Loading {name} from {path} ...")
         model, tokenizer = load(path)

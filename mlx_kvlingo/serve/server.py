@@ -466,7 +466,10 @@ class ServeOptions:
     max_conversations: int = 32
     max_cache_mb: int = 4096
     cache_dir: Optional[Path] = None
-    recompute: float = 0.0  # share of translated positions recomputed (fact-like words)
+    # Share of translated positions recomputed (fact-like words), and the most
+    # positions per catch-up; None: the translators' defaults.
+    recompute: Optional[float] = None
+    recompute_max: Optional[int] = None
 
 
 def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServer:
@@ -478,7 +481,7 @@ def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServ
             f"${API_KEY_ENV}), or --allow-insecure-bind.")
     base = build_session(options.models, options.translators, options.fit_missing,
                          options.fit_tokens, options.cache_dir, None, log=log,
-                         recompute=options.recompute)
+                         recompute=options.recompute, recompute_max=options.recompute_max)
     if options.gate:
         base.gate = QualityGate(threshold=options.gate_threshold)
     names = base.model_names

@@ -183,8 +183,9 @@ def switch(
     tokens,
     source_cache: Optional[List] = None,
     native_tail: Optional[int] = None,
-    recompute: float = 0.0,
+    recompute: Optional[float] = None,
     text: Optional[Tuple[str, Sequence[Tuple[int, int]]]] = None,
+    recompute_max: Optional[int] = None,
 ) -> SwitchResult:
     """Hand a context over to the target model.
 
@@ -196,14 +197,19 @@ def switch(
     pass over its weights (see :func:`first_step`).
     ``recompute``: a share of the context's positions (0.1 = 10 %) the target
     recomputes itself after the translation, on the words that look like facts
-    (``recompute.salient_spans``): it needs ``text``, the context's text and each
-    token's character offsets (:func:`switch_text` passes them). The recompute is
-    left ``deferred``: the target's first pass does it (``SwitchResult.read``).
+    (``recompute.salient_spans``), at most ``recompute_max`` positions (0: no
+    limit). None: the translator's defaults (``spec.recompute``,
+    ``spec.recompute_max``). It needs ``text``, the context's text and each token's
+    character offsets (:func:`switch_text` passes them); without it a default
+    recompute is skipped. The recompute is left ``deferred``: the target's first
+    pass does it (``SwitchResult.read``).
     """
     tokens = as_batch(tokens)
     if recompute and text is None:
         raise KvlingoError("recompute needs the context's text: use switch_text, or pass "
                            "text=(text, offsets).")
+    budget = RecomputeBudget.of(translator, recompute if text is not None else 0.0,
+                                recompute_max)
     if tokens.shape[0] != 1:
         raise KvlingoError("switch() takes one sequence at a time.")
     if source_cache is None:
@@ -213,24 +219,52 @@ def switch(
     ids = tokens[0].tolist()
     alignment = identity_alignment(ids, translator.spec.native_prefix)
     m = resolve_native_tail(translator, native_tail)
-    spans = choose_recompute(translator, ids, m, recompute, text)
+    spans = choose_recompute(translator, ids, m, budget, text)
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
                             history=_history(spans))
     return _defer(result, spans, ids)
 
 
-def choose_recompute(translator: Translator, tokens: Sequence[int], m: int, share: float,
+@dataclass(frozen=True)
+class RecomputeBudget:
+    """How many context positions a switch lets the target recompute: ``share`` of
+    them (0.1 = 10 %), at most ``most`` (0: no limit)."""
+
+    share: float = 0.0
+    most: int = 0
+
+    @classmethod
+    def of(cls, translator: Translator, share: Optional[float] = None,
+           most: Optional[int] = None) -> "RecomputeBudget":
+        """The budget asked for; what is not given (None) is the translator's
+        default (``spec.recompute``, ``spec.recompute_max``)."""
+        spec = translator.spec
+        share = getattr(spec, "recompute", 0.0) if share is None else share
+        most = getattr(spec, "recompute_max", 0) if most is None else most
+        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
+        if not isinstance(most, int) or most < 0:
+            raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
+        return cls(float(share), most)
+
+    def positions(self, n: int) -> int:
+        """The positions it allows in an n-token context."""
+        count = int(self.share * n)
+        return min(count, self.most) if self.most else count
+
+
+def choose_recompute(translator: Translator, tokens: Sequence[int], m: int,
+                     budget: RecomputeBudget,
                      text: Optional[Tuple[str, Sequence[Tuple[int, int]]]]) -> List[Span]:
-    """Up to ``share`` of the context's positions, its fact-like words among the
+    """Up to ``budget`` of the context's positions, its fact-like words among the
     positions a switch with native tail ``m`` translates, for the target to
     recompute (``recompute.salient_spans``). Chosen before the translation, so that
     it translates the older rows the recompute reads in sliding-window layers too."""
-    if not share:
+    count = budget.positions(len(tokens))
+    if not count:
         return []
-    if not 0 < share <= 1:
-        raise KvlingoError(f"recompute is a share of the context in (0, 1], not {share!r}.")
-    return salient_spans(text[0], text[1], int(share * len(tokens)),
-                         translator.spec.native_prefix, _translated_end(len(tokens), m))
+    return salient_spans(text[0], text[1], count, translator.spec.native_prefix,
+                         _translated_end(len(tokens), m))
 
 
 def _translated_end(n: int, m: int) -> int:
@@ -286,7 +320,8 @@ def switch_text(
     source_cache: Optional[List] = None,
     native_tail: Optional[int] = None,
     source_tokens: Optional[tuple] = None,
-    recompute: float = 0.0,
+    recompute: Optional[float] = None,
+    recompute_max: Optional[int] = None,
 ) -> SwitchResult:
     """Hand a plain-text context over to the target, whatever the two tokenizers.
 
@@ -297,12 +332,14 @@ def switch_text(
     tokens. ``source_tokens``: the source's (ids, offsets) of ``text``
     (align.tokenize_with_offsets), which a caller that prefilled the source has
     already: the switch then tokenizes only for the target (~7 ms less for 4,000
-    SmolLM2 tokens here). ``recompute``: as in :func:`switch`.
+    SmolLM2 tokens here). ``recompute``, ``recompute_max``: as in :func:`switch`.
     """
     if not translator.cross_tokenizer:
         ids, offsets = source_tokens or tokenize_with_offsets(source_tokenizer, text)
         return switch(source, target, translator, mx.array(ids), source_cache=source_cache,
-                      native_tail=native_tail, recompute=recompute, text=(text, offsets))
+                      native_tail=native_tail, recompute=recompute, text=(text, offsets),
+                      recompute_max=recompute_max)
+    budget = RecomputeBudget.of(translator, recompute, recompute_max)
     m = resolve_native_tail(translator, native_tail)
     if source_cache is None:
         source_tokens = source_tokens or tokenize_with_offsets(source_tokenizer, text)
@@ -315,7 +352,7 @@ def switch_text(
     if len(alignment.target_tokens) < 2:
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
     tokens = mx.array(alignment.target_tokens)[None]
-    spans = choose_recompute(translator, alignment.target_tokens, m, recompute,
+    spans = choose_recompute(translator, alignment.target_tokens, m, budget,
                              (text, alignment.target_offsets))
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
                             early=early, history=_history(spans))

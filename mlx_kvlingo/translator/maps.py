@@ -84,6 +84,13 @@ class TranslatorSpec:
     # Default number of trailing context tokens the target computes itself at a
     # switch (the "native tail", on top of the translated cache).
     native_tail: int = 0
+    # Default share of the context's positions the target recomputes itself at a
+    # switch (its fact-like words; switching.recompute), and the most positions that
+    # share may come to (0: no limit). A recompute costs about its share of a
+    # re-prefill, so a cap keeps long contexts' switches cheap. Files written
+    # before these fields: none.
+    recompute: float = 0.0
+    recompute_max: int = 0
     # The target computes its layer-0 K/V itself instead of translating them (they
     # depend only on each token and its position: exact, and cheap). The maps of
     # layer 0 stay in the file, unused. Files written before this field: off.
@@ -114,6 +121,8 @@ class TranslatorSpec:
             del d["token_layers"], d["token_width"]
         if not self.shared_rank:
             del d["shared_rank"], d["shared_tokens"]
+        if not self.recompute:
+            del d["recompute"], d["recompute_max"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -391,6 +400,16 @@ def _geometry_differences(role: str, want: CacheGeometry, have: CacheGeometry):
 # Loading
 
 
+def rewrite_spec(path, out, spec: TranslatorSpec) -> None:
+    """Write translator file ``path``'s tensors, byte for byte, to ``out`` (atomically;
+    it may be ``path``) under ``spec``: a new default, not new maps. The spec must
+    describe the same maps (checked by loading the result)."""
+    _validate_spec(spec)
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    metadata[METADATA_KEY] = spec.to_json()
+    save_safetensors_atomic(out, arrays, metadata)
+
+
 def load_translator(path) -> Translator:
     """Read a translator file (or a hub repo id holding one), checking its header,
     metadata, shapes and values."""
@@ -509,6 +528,10 @@ def _validate_spec(spec: TranslatorSpec):
         raise TranslatorFileError(f"invalid native_prefix {spec.native_prefix!r}.")
     if not _is_count(spec.native_tail):
         raise TranslatorFileError(f"invalid native_tail {spec.native_tail!r}.")
+    if not (isinstance(spec.recompute, (int, float)) and not isinstance(spec.recompute, bool)
+            and 0 <= spec.recompute <= 1 and _is_count(spec.recompute_max)):
+        raise TranslatorFileError(
+            f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r}.")
     if not isinstance(spec.native_layer0, bool):
         raise TranslatorFileError(f"invalid native_layer0 {spec.native_layer0!r}.")
     for role in ("source", "target"):
