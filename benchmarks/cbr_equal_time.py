@@ -47,7 +47,8 @@ def switch_times(src, stok, tgt, ttok, translators, tokens: int, tail: int, roun
 
     def switched(translator):
         first_step(tgt, switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
-                                    native_tail=tail, source_tokens=source_tokens))
+                                    native_tail=tail, source_tokens=source_tokens,
+                                    recompute=0.0))  # as scored: the translation alone
 
     def reprefill(n):
         kept = mx.array(truncated_ids(ids, n, bos))[None]

@@ -62,7 +62,7 @@ def time_direction(source: str, target: str, old: Path, tokens: int, rounds: int
 
     def switch(tr):
         res = switch_text(src, stok, tgt, ttok, tr, text, source_cache=cache,
-                          native_tail=16, source_tokens=source_tokens)
+                          native_tail=16, source_tokens=source_tokens, recompute=0.0)
         mx.eval(first_step(tgt, res))
 
     def reprefill():

@@ -161,12 +161,14 @@ def _nbytes(cache) -> int:
 
 
 def _switch(source, target, translator, ctx: _Context, m: int, tokenizers):
+    """The translation alone: no recompute, whatever the translator's default
+    (benchmarks/switch_cost_recompute.py times that)."""
     if ctx.text is None:
         return switch(source, target, translator, ctx.tokens, source_cache=ctx.source_cache,
-                      native_tail=m)
+                      native_tail=m, recompute=0.0)
     return switch_text(source, tokenizers[0], target, tokenizers[1], translator, ctx.text,
                        source_cache=ctx.source_cache, native_tail=m,
-                       source_tokens=ctx.source_tokens)
+                       source_tokens=ctx.source_tokens, recompute=0.0)
 
 
 def _timed_switch(source, target, translator, ctx, m, tokenizers):
