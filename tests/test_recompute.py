@@ -236,6 +236,26 @@ def test_fact_like_words_rank_above_ordinary_ones():
     assert "It" not in words and "Then" not in words  # capitals that start sentences
 
 
+def test_the_items_of_a_list_rank_above_ordinary_words():
+    """An enumeration ("a, b, c and d") or a bulleted line marks its words (not its
+    articles) as fact-like, above a capitalised word, below a number; the same words
+    elsewhere stay ordinary."""
+    from mlx_kvlingo.switching.recompute import salient_words
+
+    text = ("Then Ann came in. We packed, in this order: a kettle, an apple, a rope "
+            "and a candle. The code was 4471. A kettle boiled.\nSteps:\n- open the valve\n")
+    offsets = CharTokenizer.offsets(text)
+    ranked = [("".join(text[offsets[i][0]:offsets[i][1]] for i in pos).rstrip(".,"),
+               offsets[pos[0]][0]) for _, pos in salient_words(text, offsets)]
+    words = [w for w, _ in ranked]
+    assert words[0] == "4471"
+    items = {"kettle", "apple", "rope", "candle", "open", "valve"}
+    assert set(words[1:7]) == items and words[7] == "Ann"
+    assert not {"a", "an", "and", "the"} & set(words)
+    kettles = [at for w, at in ranked if w == "kettle"]
+    assert kettles == [text.index("kettle")]  # "A kettle boiled." is not a list
+
+
 def test_salient_spans_keep_to_the_budget_and_lead_up_to_each_word():
     from mlx_kvlingo.switching.recompute import salient_spans
 

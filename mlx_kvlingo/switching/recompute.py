@@ -280,6 +280,22 @@ def merge_spans(positions: Sequence[int], before: int = 0, after: int = 0, gap: 
 
 _WORD = re.compile(r"[A-Za-z0-9_]+(?:[.'-][A-Za-z0-9_]+)*")
 
+# The items of a list are ordinary words, but which of them came where is a fact
+# no model can guess: an enumeration of three or more short items ("a, b, c and
+# d"; "x, y, or z") or a bulleted line marks its words as worth keeping.
+_ITEM = r"[A-Za-z][\w'-]*(?: [A-Za-z][\w'-]*){0,2}"
+_ENUMERATION = re.compile(rf"\b(?:{_ITEM}, ){{2,}}{_ITEM},? (?:and|or) {_ITEM}")
+_BULLET = re.compile(r"^[ \t]*(?:[-*\u2022]|\d+[.)])[ \t]+\S.*$", re.MULTILINE)
+_FUNCTION_WORDS = frozenset("a an the and or of to in on at for with by from".split())
+_LIST_ITEM_SCORE = 2.5  # above a capitalised word (2), below a rare name or a number
+
+
+def _list_regions(text: str) -> List[Tuple[int, int]]:
+    """Character ranges of the text's enumerations and bulleted lines, in order."""
+    found = [m.span() for m in _ENUMERATION.finditer(text)]
+    found += [m.span() for m in _BULLET.finditer(text)]
+    return sorted(found)
+
 
 def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
     score = 0.0
@@ -298,6 +314,8 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
     positions lo..hi-1, best first (ties: earlier first)."""
     hi = len(offsets) if hi is None else hi
     starts = [a for a, b in offsets]
+    lists = _list_regions(text)
+    list_starts = [a for a, _ in lists]
     words = []
     for m in _WORD.finditer(text):
         a, b = m.span()
@@ -312,6 +330,10 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
         before = text[:a].rstrip()
         sentence_start = not before or before[-1] in ".!?:\n\"'("
         score = _word_score(m.group(), len(positions), sentence_start)
+        r = bisect.bisect_right(list_starts, a) - 1
+        if (not score and r >= 0 and lists[r][1] >= b
+                and m.group().lower() not in _FUNCTION_WORDS):
+            score = _LIST_ITEM_SCORE
         if score:
             words.append((score, positions))
     words.sort(key=lambda w: (-w[0], w[1][0]))
