@@ -454,6 +454,10 @@ def _altered_specs():
         "format_version_null": json.dumps(dict(s, format_version=None)),
         "native_prefix_string": json.dumps(dict(s, native_prefix="1")),
         "native_prefix_negative": json.dumps(dict(s, native_prefix=-3)),
+        "recompute_above_one": json.dumps(dict(s, recompute=1.5, recompute_max=0)),
+        "recompute_string": json.dumps(dict(s, recompute="0.1", recompute_max=0)),
+        "recompute_max_negative": json.dumps(dict(s, recompute=0.1, recompute_max=-1)),
+        "recompute_max_float": json.dumps(dict(s, recompute=0.1, recompute_max=1.5)),
     }
 
 
