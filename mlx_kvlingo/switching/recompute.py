@@ -287,7 +287,7 @@ _ITEM = r"[A-Za-z][\w'-]*(?: [A-Za-z][\w'-]*){0,2}"
 _ENUMERATION = re.compile(rf"\b(?:{_ITEM}, ){{2,}}{_ITEM},? (?:and|or) {_ITEM}")
 _BULLET = re.compile(r"^[ \t]*(?:[-*\u2022]|\d+[.)])[ \t]+\S.*$", re.MULTILINE)
 _FUNCTION_WORDS = frozenset("a an the and or of to in on at for with by from".split())
-_LIST_ITEM_SCORE = 2.5  # above a capitalised word (2), below a rare name or a number
+_LIST_ITEM_SCORE = 3.0  # above a capitalised or a long word, below a rare name or a number
 
 
 def _list_regions(text: str) -> List[Tuple[int, int]]:
@@ -297,7 +297,13 @@ def _list_regions(text: str) -> List[Tuple[int, int]]:
     return sorted(found)
 
 
+_EMPHASIS = re.compile(r"_([A-Za-z][A-Za-z'-]*)_")  # _word_: Markdown / plain-text italics
+
+
 def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
+    emphasis = _EMPHASIS.fullmatch(word)
+    if emphasis:  # markup, not an identifier: the word inside is what counts
+        word = emphasis.group(1)
     score = 0.0
     if any(ch.isdigit() for ch in word):
         score += 3
@@ -305,7 +311,9 @@ def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
         score += 3
     if word[0].isupper() and not sentence_start:
         score += 2
-    return score + min(pieces - 1, 3) if score or pieces >= 3 else 0.0
+    if not score:  # only rare: a long ordinary word splits too, so it ranks below a list
+        return min(pieces - 1, _LIST_ITEM_SCORE - 0.5) if pieces >= 3 else 0.0
+    return score + min(pieces - 1, 3)
 
 
 def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
@@ -335,9 +343,26 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
                 and m.group().lower() not in _FUNCTION_WORDS):
             score = _LIST_ITEM_SCORE
         if score:
-            words.append((score, positions))
-    words.sort(key=lambda w: (-w[0], w[1][0]))
-    return words
+            words.append((score, positions, _EMPHASIS.sub(r"\1", m.group()).lower()))
+    return _once_each(words)
+
+
+_REPEAT_PENALTY = 0.5
+
+
+def _once_each(words: List[Tuple[float, List[int], str]]) -> List[Tuple[float, List[int]]]:
+    """Each distinct word once, at its first occurrence (where it is introduced: a
+    definition, a fact stated), best first. A word said again and again (a story's
+    characters, a module's common names) scores a little less for every repeat: a
+    fact stated once is what a translated cache loses and nothing else restates."""
+    first, count = {}, {}
+    for score, positions, key in words:
+        count[key] = count.get(key, 0) + 1
+        first.setdefault(key, (score, positions))
+    out = [(score - _REPEAT_PENALTY * (count[key] - 1), positions)
+           for key, (score, positions) in first.items()]
+    out.sort(key=lambda w: (-w[0], w[1][0]))
+    return out
 
 
 def salient_spans(text: str, offsets: Sequence[Tuple[int, int]], budget: int, lo: int = 1,
