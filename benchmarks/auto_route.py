@@ -31,23 +31,32 @@ from mlx_kvlingo.measure.bootstrap import mean_interval
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import translator_for
-from mlx_kvlingo.serve.conversations import AUTO, AutoRoute, ConversationStore, TurnRequest
+from mlx_kvlingo.serve.conversations import (
+    AUTO,
+    AutoRoute,
+    ConversationStore,
+    TurnRequest,
+    escalate,
+)
 
 
 def escalated(session: Session, prompt: str, probe: int, max_tokens: int) -> dict:
-    """The escalation path on a fresh conversation: the small model reads the
-    question and writes ``probe`` tokens, the probe is dropped, and the large model
-    answers, catching up on the question (translated when ``session`` has a
-    translator, prefilled when not)."""
+    """The escalation path on a fresh conversation, as the server takes it
+    (``serve.conversations.escalate``): the small model reads the question and writes
+    ``probe`` tokens, then the large model answers, reading the question itself; what
+    came before it (the system prompt) is translated when ``session`` has a
+    translator, prefilled when not."""
     t0 = time.perf_counter()
-    stream = session.generate("small", [{"role": "user", "content": prompt}], max_tokens,
-                              stream=True)
+    new = [{"role": "user", "content": prompt}]
+    stream = session.generate("small", new, max_tokens, stream=True)
     for n, _ in enumerate(stream, 1):
         if n >= probe:
             break
     stream.close()
-    session.truncate(len(session.messages) - 1)
-    report = session.generate("large", None, max_tokens)
+    turn = escalate(session, "large", new, max_tokens, {})
+    for _ in turn:
+        pass
+    report = turn.report
     return {"text": report.text, "total_s": time.perf_counter() - t0,
             "translated": report.translated, "ttft_s": report.ttft_s}
 

@@ -2,8 +2,9 @@
 
 Every turn asks for model "auto": the server lets the small model start the
 answer, and when it is unsure (the mean entropy of its first tokens is above the
-server's `--auto-entropy`), the large model answers instead, reading the
-conversation translated from the small one's cache rather than re-reading it.
+server's `--auto-entropy`), the large model answers instead: it reads the new
+question itself and the conversation before it translated from the small one's
+cache rather than re-reading it.
 Each turn prints which model answered, why, and what the turn cost.
 
     mlx-kvlingo fetch-models qwen

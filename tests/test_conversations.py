@@ -88,9 +88,18 @@ def test_auto_routes_on_the_small_models_uncertainty(base):
     eager = ConversationStore(base, auto=AutoRoute("a", "b", probe_tokens=4, max_entropy=-1))
     text2, s2 = run(eager, "auto", [user("Sum a list.")], max_tokens=6)
     assert s2.model == "b" and s2.route["escalated"] is True
-    assert s2.translated_tokens > 0  # b read the question translated from a's probe turn
     assert text2 == text  # exact translators: the same answer, from the other model
-    assert eager.conversation_messages(s2.conversation)[-1]["content"] == text2
+    messages = eager.conversation_messages(s2.conversation)
+    assert [m["content"] for m in messages[-2:]] == ["Sum a list.", text2]  # no probe left
+    # The next hard turn: b translates what a wrote since, and reads the question itself.
+    msgs = [user("Sum a list."), {"role": "assistant", "content": text2},
+            user("And the product?")]
+    text3, s3 = run(eager, "a", msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": text3}, user("Now the mean of the items.")]
+    _, s4 = run(eager, "auto", msgs, max_tokens=4)
+    assert s4.conversation == s2.conversation
+    assert s4.model == "b" and s4.translated_tokens > 0
+    assert s4.prefilled_tokens >= 6  # the question's tokens, read by b itself
 
 
 def test_stop_strings_unknown_models_and_cancel(base):
