@@ -22,20 +22,21 @@ from mlx_kvlingo.translator.maps import load_translator, rewrite_spec
 PAIRS = {"s2g": ("smollm2", "gemma3"), "g2s": ("gemma3", "smollm2")}
 
 
-def cbr_summary(path: Path) -> dict:
-    """The switch's CBR (with its interval) and the equal-time truncation's, from one
-    cbr_equal_time.py JSON, keyed by its corpus, context length and native tail."""
+def cbr_summary(path: Path):
+    """(corpus, {"context C, native tail M": the switch's CBR with its interval and
+    the equal-time truncation's}) from one cbr_equal_time.py JSON: the layout of the
+    uncompressed files' evaluation (ship_translators.py)."""
     run = json.loads(path.read_text())
     args = run["args"]
     rows = run["rows"]
     switch = next(r for label, r in rows.items() if label.startswith("switch"))
     equal = next(r for label, r in rows.items() if label.endswith("(equal time)"))
-    key = f"{args['corpus']}, context {args['context']}, native tail {args['native_tail']}"
-    return {key: {"cbr": round(switch["cbr"], 4),
-                  "cbr_ci95": [round(x, 4) for x in switch["cbr_ci95"]],
-                  "windows": len(switch["windows"]),
-                  "equal_time_truncation_cbr": round(equal["cbr"], 4),
-                  "source": path.name}}
+    key = f"context {args['context']}, native tail {args['native_tail']}"
+    return args["corpus"], {key: {"cbr": round(switch["cbr"], 4),
+                                  "cbr_ci95": [round(x, 4) for x in switch["cbr_ci95"]],
+                                  "windows": len(switch["windows"]),
+                                  "equal_time_truncation_cbr": round(equal["cbr"], 4),
+                                  "source": path.name}}
 
 
 def main():
@@ -61,7 +62,8 @@ def main():
         training["eval_uncompressed"] = training.pop("eval")
     training["eval"] = {}
     for path in args.cbr:
-        training["eval"].update(cbr_summary(path))
+        corpus, rows = cbr_summary(path)
+        training["eval"].setdefault(corpus, {}).update(rows)
     out = ASSETS / SHIPPED[PAIRS[args.pair]]
     rewrite_spec(args.file, out, spec)
     load_translator(out)
