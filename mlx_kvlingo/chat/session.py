@@ -50,6 +50,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import KvlingoError
 from ..models.cache import cache_length, trim_cache_to
 from ..models.geometry import tokenizer_fingerprint
+from ..switching.api import RecomputeBudget
 from ..translator.maps import Translator
 from .catch_up import catch_up_gated, restore
 from .transcript import TEMPLATE, Span, Transcript, ids_offsets
@@ -126,7 +127,8 @@ class Session:
         self._use_template = chat_template
         self.system_prompt = system_prompt
         self.gate = gate
-        self.recompute, self.recompute_max = _checked_budget(recompute, recompute_max)
+        RecomputeBudget.check(recompute, recompute_max)
+        self.recompute, self.recompute_max = recompute, recompute_max
         self.messages: List[Message] = []
         self._message_pieces: List[int] = []  # per message: its text piece id
         self._next_piece = 0
@@ -591,12 +593,3 @@ def _as_messages(message: MessageInput) -> List[Message]:
         out.append(dict(m))
     return out
 
-
-def _checked_budget(share: Optional[float], most: Optional[int]):
-    """A Session's recompute share and cap, refused when out of range (None: the
-    translators' defaults, resolved per catch-up)."""
-    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 1):
-        raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
-    if most is not None and not (isinstance(most, int) and most >= 0):
-        raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
-    return share, most

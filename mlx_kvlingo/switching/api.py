@@ -241,11 +241,18 @@ class RecomputeBudget:
         spec = translator.spec
         share = getattr(spec, "recompute", 0.0) if share is None else share
         most = getattr(spec, "recompute_max", 0) if most is None else most
-        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
-            raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
-        if not isinstance(most, int) or most < 0:
-            raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
+        cls.check(share, most)
         return cls(float(share), most)
+
+    @staticmethod
+    def check(share: Optional[float], most: Optional[int]) -> None:
+        """Refuse a share outside [0, 1] or a negative cap (None: not given)."""
+        if share is not None and not (isinstance(share, (int, float))
+                                      and not isinstance(share, bool) and 0 <= share <= 1):
+            raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
+        if most is not None and not (isinstance(most, int) and not isinstance(most, bool)
+                                     and most >= 0):
+            raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
 
     def positions(self, n: int) -> int:
         """The positions it allows in an n-token context."""
