@@ -284,15 +284,25 @@ _WORD = re.compile(r"[A-Za-z0-9_]+(?:[.'-][A-Za-z0-9_]+)*")
 # no model can guess: an enumeration of three or more short items ("a, b, c and
 # d"; "x, y, or z") or a bulleted line marks its words as worth keeping.
 _ITEM = r"[A-Za-z][\w'-]*(?: [A-Za-z][\w'-]*){0,2}"
-_ENUMERATION = re.compile(rf"\b(?:{_ITEM}, ){{2,}}{_ITEM},? (?:and|or) {_ITEM}")
+_LIST_END = re.compile(rf"\b{_ITEM}, {_ITEM},? (?:and|or) {_ITEM}")
+_ITEM_BEFORE = re.compile(rf"\b{_ITEM}, $")
 _BULLET = re.compile(r"^[ \t]*(?:[-*\u2022]|\d+[.)])[ \t]+\S.*$", re.MULTILINE)
 _FUNCTION_WORDS = frozenset("a an the and or of to in on at for with by from".split())
 _LIST_ITEM_SCORE = 3.0  # above a capitalised or a long word, below a rare name or a number
 
 
 def _list_regions(text: str) -> List[Tuple[int, int]]:
-    """Character ranges of the text's enumerations and bulleted lines, in order."""
-    found = [m.span() for m in _ENUMERATION.finditer(text)]
+    """Character ranges of the text's enumerations and bulleted lines, in order.
+
+    An enumeration is found by its end ("x, y and z"), then extended item by item
+    backwards: one regex over the whole list would try again from every word of a
+    long comma-separated run with no "and" (an argument list), quadratic in it."""
+    found = []
+    for m in _LIST_END.finditer(text):
+        a = m.start()
+        while (before := _ITEM_BEFORE.search(text, max(a - 64, 0), a)) is not None:
+            a = before.start()
+        found.append((a, m.end()))
     found += [m.span() for m in _BULLET.finditer(text)]
     return sorted(found)
 
