@@ -291,7 +291,7 @@ _FUNCTION_WORDS = frozenset("a an the and or of to in on at for with by from".sp
 _LIST_ITEM_SCORE = 3.0  # above a capitalised or a long word, below a rare name or a number
 
 
-def _list_regions(text: str) -> List[Tuple[int, int]]:
+def list_regions(text: str) -> List[Tuple[int, int]]:
     """Character ranges of the text's enumerations and bulleted lines, in order.
 
     An enumeration is found by its end ("x, y and z"), then extended item by item
@@ -332,7 +332,7 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
     positions lo..hi-1, best first (ties: earlier first)."""
     hi = len(offsets) if hi is None else hi
     starts = [a for a, b in offsets]
-    lists = _list_regions(text)
+    lists = list_regions(text)
     list_starts = [a for a, _ in lists]
     words = []
     for m in _WORD.finditer(text):
