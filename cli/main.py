@@ -568,13 +568,14 @@ def defaults(
     from mlx_kvlingo.translator.maps import load_translator, rewrite_spec
 
     def go():
-        spec = load_translator(translator).spec
+        loaded = load_translator(translator)
+        spec = loaded.spec
         changes = {k: v for k, v in [("native_tail", native_tail), ("recompute", recompute),
                                      ("recompute_max", recompute_max)] if v is not None}
         if changes:
             if native_tail is not None and native_tail < 0:
                 raise KvlingoError(f"--native-tail is a count >= 0, not {native_tail}.")
-            budget = RecomputeBudget.of(load_translator(translator), recompute, recompute_max)
+            budget = RecomputeBudget.of(loaded, recompute, recompute_max)
             spec = replace(spec, **changes)
             spec.recompute = budget.share
             spec.recompute_max = budget.most if budget.share else 0

@@ -81,7 +81,8 @@ def run_conversation(
     ``order[i]``. Returns per-turn sums (turns 1..) comparing the session's
     log-probs with a native prefill of the model's own view of the transcript and
     with no context (the view's leading special tokens, e.g. BOS, kept)."""
-    session = Session(models, translators, chat_template=False, gate=gate)
+    # The translation alone, as calibrated and reported: not the files' default recompute.
+    session = Session(models, translators, chat_template=False, gate=gate, recompute=0.0)
     session.read(order[0], segments[0])
     out = []
     for i in range(1, len(segments)):

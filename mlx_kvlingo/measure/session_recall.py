@@ -113,11 +113,11 @@ def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a:
             raise KvlingoError(f"A translator {pair[0]} -> {pair[1]} is needed.")
     settings: Dict[str, Callable[[], Session]] = {
         REPREFILL: lambda: Session(models),
-        SWITCHED: lambda: Session(models, translators),
+        SWITCHED: lambda: Session(models, translators, recompute=0.0),  # not the files' default
     }
     for share in recompute:
         settings[f"{SWITCHED} + recompute {share:.0%}"] = (
-            lambda share=share: Session(models, translators, recompute=share))
+            lambda share=share: Session(models, translators, recompute=share, recompute_max=0))
     scores: Dict[str, List[RecallScore]] = {name: [] for name in settings}
     scores[NONE] = []
     for i, item in enumerate(items):

@@ -310,10 +310,13 @@ def list_regions(text: str) -> List[Tuple[int, int]]:
 _EMPHASIS = re.compile(r"_([A-Za-z][A-Za-z'-]*)_")  # _word_: Markdown / plain-text italics
 
 
-def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
+def _plain(word: str) -> str:
+    """The word without emphasis markup (``_word_``: not an identifier)."""
     emphasis = _EMPHASIS.fullmatch(word)
-    if emphasis:  # markup, not an identifier: the word inside is what counts
-        word = emphasis.group(1)
+    return emphasis.group(1) if emphasis else word
+
+
+def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
     score = 0.0
     if any(ch.isdigit() for ch in word):
         score += 3
@@ -345,15 +348,18 @@ def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
             i += 1
         if not positions:
             continue
-        before = text[:a].rstrip()
-        sentence_start = not before or before[-1] in ".!?:\n\"'("
-        score = _word_score(m.group(), len(positions), sentence_start)
+        j = a - 1  # the character before the word's preceding spaces (no copy of the text)
+        while j >= 0 and text[j].isspace():
+            j -= 1
+        sentence_start = j < 0 or text[j] in ".!?:\n\"'("
+        word = _plain(m.group())
+        score = _word_score(word, len(positions), sentence_start)
         r = bisect.bisect_right(list_starts, a) - 1
         if (not score and r >= 0 and lists[r][1] >= b
                 and m.group().lower() not in _FUNCTION_WORDS):
             score = _LIST_ITEM_SCORE
         if score:
-            words.append((score, positions, _EMPHASIS.sub(r"\1", m.group()).lower()))
+            words.append((score, positions, word.lower()))
     return _once_each(words)
 
 

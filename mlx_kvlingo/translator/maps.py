@@ -402,8 +402,9 @@ def _geometry_differences(role: str, want: CacheGeometry, have: CacheGeometry):
 
 def rewrite_spec(path, out, spec: TranslatorSpec) -> None:
     """Write translator file ``path``'s tensors, byte for byte, to ``out`` (atomically;
-    it may be ``path``) under ``spec``: a new default, not new maps. The spec must
-    describe the same maps (checked by loading the result)."""
+    it may be ``path``) under ``spec``: a new default, not new maps. The spec's own
+    fields are checked here; that it describes these tensors, only by loading the
+    result (load_translator), which callers do."""
     _validate_spec(spec)
     arrays, metadata = mx.load(str(path), return_metadata=True)
     metadata[METADATA_KEY] = spec.to_json()
