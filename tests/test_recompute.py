@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 from tiny import CONFIGS, identity_translator, tiny_model
 
+from mlx_kvlingo import cpu_math
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models.cache import read_layer
 from mlx_kvlingo.switching.api import switch
@@ -54,6 +55,27 @@ def test_recomputing_every_position_makes_a_broken_translation_native(arch):
     native = switch(m, m, identity_translator(m), ids, native_tail=0)
     assert not caches_close(broken.cache, native.cache)
     recompute_spans(m, broken.cache, ids, [(1, 20)])
+    assert caches_close(broken.cache, native.cache)
+    last = mx.array([ids[-1:]])
+    got, want = m(last, cache=broken.cache), m(last, cache=native.cache)
+    assert mx.abs(got - want).max().item() < 1e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_recompute_pass_takes_the_cpu_attention_and_stays_exact(arch, monkeypatch):
+    """A pass of >= cpu_math.MIN_QUERIES positions runs its attention in numpy on a
+    CPU, as a prefill's does, with the pass's position mask; it still gives the
+    target's own cache and logits."""
+    m = model(arch)
+    ids = tokens(60, seed=7)
+    broken = switch(m, m, identity_translator(m, scale=0.0), ids, native_tail=0)
+    native = switch(m, m, identity_translator(m), ids, native_tail=0)
+    calls = []
+    attention = cpu_math.attention
+    monkeypatch.setattr(cpu_math, "attention",
+                        lambda *a, **k: calls.append(a[0].shape) or attention(*a, **k))
+    recompute_spans(m, broken.cache, ids, [(1, 20), (20, 59)])
+    assert calls and all(shape[2] >= cpu_math.MIN_QUERIES for shape in calls)
     assert caches_close(broken.cache, native.cache)
     last = mx.array([ids[-1:]])
     got, want = m(last, cache=broken.cache), m(last, cache=native.cache)

@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .. import cpu_math
 from ..errors import KvlingoError
 from ..models.cache import last_logits
 from ..models.rope import RopeTables, apply_rope_tables
@@ -237,7 +238,10 @@ def _one_pass(target: nn.Module, cache: List, tokens: Sequence[int], spans: Sequ
              for i, c in enumerate(cache)]
     ids = mx.array([[tokens[p] for p in chosen] + list(inputs)])
     logits = None
-    with _roped_at(target, positions, top):
+    # The pass is a short prefill: its softmax and activations in numpy on a CPU, as
+    # models.prefill's (cpu_math; a re-prefill it is compared with does the same).
+    cpu_math.install(target)
+    with _roped_at(target, positions, top), cpu_math.numpy_passes():
         if len(inputs):
             logits = last_logits(target, ids, views, keep)
         else:
