@@ -376,3 +376,26 @@ def test_a_session_recomputes_what_its_translators_default_to(target):
         twin_session(m, tok, recompute=1.5)
     with pytest.raises(KvlingoError, match="number of positions"):
         twin_session(m, tok, recompute_max=-1)
+
+
+def test_a_catch_up_recomputes_words_older_than_a_sliding_window_with_their_context(target):
+    """Gemma-style sliding layers (windows of 8) drop a long catch-up's older rows
+    as it writes them. Its recompute of the fact-like words older than the window
+    reads them from what the catch-up kept (kernel.History), so with exact
+    translators the reader's log-probs stay a native prefill's."""
+    from tiny import tiny_model
+
+    from mlx_kvlingo.metrics import log_softmax
+    from mlx_kvlingo.pairs.toy import VOCAB_SIZE
+
+    _, tok = target
+    m = tiny_model("gemma3_text", vocab_size=VOCAB_SIZE)
+    s = twin_session(m, tok, recompute=0.5, recompute_max=0)
+    s.read("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini. "
+                + "It rained all day long and then it stopped. " * 3)
+    got = s.read("b", "Which code was it?")
+    report = s.reports[-1]
+    assert report.translated > 40 and report.recomputed > 0
+    ids = s.tokens
+    want = log_softmax(m(mx.array([ids]))[0, len(ids) - got.shape[0] - 1:-1])
+    assert mx.abs(got - want).max().item() < 1e-3

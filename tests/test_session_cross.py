@@ -165,3 +165,29 @@ def test_multiturn_fidelity_on_text_is_exact_with_exact_cross_tokenizer_maps(twi
         for r in rows:
             assert abs(r.nll_session - r.nll_native) < 1e-3 and r.top1 == 1.0
             assert r.translated_tokens > 0
+
+
+def test_a_cross_tokenizer_catch_up_recomputes_old_words_with_their_context(toy_pair_dirs):
+    """Different tokenizers, gemma-style sliding layers (windows of 8) and a
+    catch-up with template tokens computed natively between translated runs: the
+    recompute of words older than the window reads the rows the catch-up kept
+    (kernel.History), so with exact maps the reader still answers as a native
+    prefill would."""
+    from tiny import tiny_model
+
+    from mlx_kvlingo.pairs.toy import VOCAB_SIZE
+
+    m = tiny_model("gemma3_text", vocab_size=VOCAB_SIZE + 8)
+    _, ta = load(toy_pair_dirs[1])
+    _, tb = load(toy_pair_dirs[1])
+    tb._tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    s = Session({"a": (m, ta), "b": (m, tb)},
+                {("a", "b"): identity(m, ta, tb), ("b", "a"): identity(m, tb, ta)},
+                chat_template=False, recompute=0.5, recompute_max=0)
+    s.generate("a", "Remember this.", max_tokens=4)  # a's answer: translated after a prefill
+    s.read("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini. "
+           + "It rained all day long and then it stopped. " * 3)
+    r = s.generate("b", "Which code was it?", max_tokens=6)
+    assert r.translated > 40 and s.reports[-1].recomputed > 0
+    view = s.transcript_of("b")
+    assert_greedy_under_native(m, view.tokens[:r.context_tokens + r.generated], r.context_tokens)

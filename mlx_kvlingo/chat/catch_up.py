@@ -10,15 +10,18 @@ bad translation.
 """
 
 import time
-from typing import Dict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
+from ..models.geometry import cache_geometry
 from ..switching.api import RecomputeBudget, translate_aligned, translate_span
-from ..switching.recompute import recompute_spans, salient_spans, token_offsets
+from ..switching.kernel import History
+from ..switching.recompute import Span, recompute_spans, salient_spans, token_offsets
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
 from .turns import TurnReport
@@ -41,15 +44,17 @@ def catch_up_gated(session, name: str, end: int, report: TurnReport):
     m = min(max([g] + [t.spec.native_tail for t in pending]), end - start)
     g = min(g, m)
     if m < 1 or not pending:
-        catch_up(session, name, end, report)
+        facts = FactRecompute.choose(session, name, start, end, pending)
+        catch_up(session, name, end, report, facts.history)
         if report.translated:
-            recompute_facts(session, name, start, end, report, pending)
+            facts.run(session, name, report)
         return
-    catch_up(session, name, end - m, report)
+    facts = FactRecompute.choose(session, name, start, end - m, pending)
+    catch_up(session, name, end - m, report, facts.history)
     if not report.translated:
         catch_up(session, name, end, report)
         return
-    recompute_facts(session, name, start, end - m, report, pending)
+    facts.run(session, name, report)
     report.native_tail = m
     if g < 2:  # no gate (a 1-token gate cannot score): the whole tail is prefilled
         g = 0
@@ -88,11 +93,14 @@ def fall_back(session, name: str, start: int, end: int, reason: str, report: Tur
     report.fallback = reason
     report.translate_s += time.perf_counter() - t0
 
-def catch_up(session, name: str, end: int, report: TurnReport):
+def catch_up(session, name: str, end: int, report: TurnReport,
+             history: Optional[History] = None):
     """Bring model ``name``'s cache to ``end`` tokens: spans other models wrote are
-    translated from the writer's cache, everything else is prefilled."""
+    translated from the writer's cache, everything else is prefilled. ``history``:
+    keep the rows a recompute will read that sliding-window layers drop
+    (kernel.History)."""
     try:
-        _catch_up_spans(session, name, end, report)
+        _catch_up_spans(session, name, end, report, history)
     except BaseException:
         # Interrupted (Ctrl-C) or failed half-way: layers may disagree. Start this
         # model's cache afresh; its next turn catches up from the beginning.
@@ -102,10 +110,13 @@ def catch_up(session, name: str, end: int, report: TurnReport):
         view.translated[name] = 0
         raise
 
-def _catch_up_spans(session, name: str, end: int, report: TurnReport):
+def _catch_up_spans(session, name: str, end: int, report: TurnReport,
+                    history: Optional[History]):
     entry, view = session.entry(name), session.transcript_of(name)
     t0 = time.perf_counter()
     missing: Dict[str, int] = {}
+    if history is not None:  # rows held from earlier turns, before new ones push them out
+        history.record(entry.model, entry.cache, 0, view.processed[name])
     for span in view.pending(name, end):
         lo, hi, writer = span.start, span.end, span.writer
         if writer is not None and writer != name:
@@ -113,11 +124,15 @@ def _catch_up_spans(session, name: str, end: int, report: TurnReport):
             if translator is None:
                 missing[writer] = missing.get(writer, 0) + hi - lo
             elif session.transcript_of(writer) is view:
-                lo = _translate_shared(session, name, writer, translator, lo, hi, report)
+                lo = _translate_shared(session, name, writer, translator, lo, hi, report,
+                                       history)
             else:
-                lo = _translate_aligned(session, name, writer, translator, lo, hi, report)
+                lo = _translate_aligned(session, name, writer, translator, lo, hi, report,
+                                        history)
         if lo < hi:
             prefill(entry.model, mx.array(view.tokens[lo:hi]), entry.cache)
+            if history is not None:
+                history.record(entry.model, entry.cache, lo, hi)
             report.prefilled += hi - lo
             view.processed[name] = hi
     for writer, n in missing.items():
@@ -129,7 +144,7 @@ def _catch_up_spans(session, name: str, end: int, report: TurnReport):
         mx.eval([(c.keys, c.values) for c in entry.cache])
     report.translate_s += time.perf_counter() - t0
 
-def _translate_shared(session, name, writer, translator, lo, hi, report) -> int:
+def _translate_shared(session, name, writer, translator, lo, hi, report, history) -> int:
     """Positions lo.. that ``writer``'s cache holds, translated position for
     position (shared tokenizer); returns the first position not translated."""
     entry, view = session.entry(name), session.transcript_of(name)
@@ -141,14 +156,14 @@ def _translate_shared(session, name, writer, translator, lo, hi, report) -> int:
     try:
         entry.cache = translate_span(
             session.model(writer), entry.model, translator,
-            session.cache(writer), entry.cache, tokens, held,
+            session.cache(writer), entry.cache, tokens, held, history,
         )
     except KvlingoError as e:  # e.g. a sliding-window source dropped the span
         return _translation_failed(session, name, writer, lo, held, e, report)
     _count_translated(session, name, writer, lo, held, held - lo - n_native, report)
     return held
 
-def _translate_aligned(session, name, writer, translator, lo, hi, report) -> int:
+def _translate_aligned(session, name, writer, translator, lo, hi, report, history) -> int:
     """Positions lo.. whose text ``writer`` wrote in its own tokenization: each
     reads the writer's token holding its last character; template tokens are
     computed natively. Returns the first position not handled."""
@@ -166,7 +181,7 @@ def _translate_aligned(session, name, writer, translator, lo, hi, report) -> int
     try:
         entry.cache = translate_aligned(
             session.model(writer), entry.model, translator,
-            session.cache(writer), entry.cache, alignment, h,
+            session.cache(writer), entry.cache, alignment, h, history=history,
         )
     except KvlingoError as e:
         return _translation_failed(session, name, writer, lo, h, e, report)
@@ -202,22 +217,43 @@ def restore(session, name: str, length: int):
     view.processed[name] = length
 
 
-def recompute_facts(session, name: str, lo: int, hi: int, report: TurnReport, translators=()):
-    """After a catch-up translated positions lo..hi-1 (with ``translators``): the
-    model recomputes the fact-like words among them itself, up to the session's
-    recompute budget (its own, or the translators' defaults)."""
-    budget = _recompute_budget(session, translators)
-    count = budget.positions(hi - lo)
-    if not count or hi - lo < 2:
-        return
-    t0 = time.perf_counter()
-    entry, view = session.entry(name), session.transcript_of(name)
-    text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
-    spans = [(a + lo, b + lo) for a, b in salient_spans(
-        text, offsets, count, lo=1 if lo == 0 else 0)]
-    recompute_spans(entry.model, entry.cache, view.tokens, spans)
-    report.recomputed += sum(b - a for a, b in spans)
-    report.translate_s += time.perf_counter() - t0
+@dataclass
+class FactRecompute:
+    """The fact-like words of positions lo..hi-1 a catch-up is about to translate,
+    which the model then recomputes itself (up to the session's recompute budget:
+    its own, or the translators' defaults). Chosen before the translation, so that
+    the catch-up keeps the rows they read that its sliding-window layers drop
+    (``history``; None when nothing is chosen or no layer slides)."""
+
+    spans: List[Span] = field(default_factory=list)
+    history: Optional[History] = None
+    choose_s: float = 0.0
+
+    @classmethod
+    def choose(cls, session, name: str, lo: int, hi: int, translators=()) -> "FactRecompute":
+        count = _recompute_budget(session, translators).positions(hi - lo)
+        if not count or hi - lo < 2:
+            return cls()
+        t0 = time.perf_counter()
+        entry, view = session.entry(name), session.transcript_of(name)
+        text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
+        spans = [(a + lo, b + lo) for a, b in salient_spans(
+            text, offsets, count, lo=1 if lo == 0 else 0)]
+        sliding = any(lg.window for lg in cache_geometry(entry.model).layers)
+        history = History(since=spans[0][0]) if spans and sliding else None
+        return cls(spans, history, time.perf_counter() - t0)
+
+    def run(self, session, name: str, report: TurnReport):
+        """Recompute the chosen words (after the catch-up translated them)."""
+        if not self.spans:
+            return
+        t0 = time.perf_counter()
+        entry, view = session.entry(name), session.transcript_of(name)
+        recompute_spans(entry.model, entry.cache, view.tokens, self.spans,
+                        self.history.layers if self.history is not None else None)
+        self.history = None
+        report.recomputed += sum(b - a for a, b in self.spans)
+        report.translate_s += self.choose_s + time.perf_counter() - t0
 
 
 def _recompute_budget(session, translators) -> RecomputeBudget:

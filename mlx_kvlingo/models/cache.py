@@ -207,13 +207,23 @@ def build_cache(
         if lg.window is not None and k.shape[1] > lg.window:
             # Positions before the last `window` are never attended to again.
             k, v = k[:, -lg.window :], v[:, -lg.window :]
-        k_start = start + T - k.shape[1]
-        k = split_heads(k, lg.n_kv_heads)
-        rope = model.layers[i].self_attn.rope
-        k = rerope(rope, k, k_start, tables(i, k_start, k.shape[-2], k.shape[-1]))
-        v = split_heads(v, lg.n_kv_heads)
-        append_layer(c, k.astype(dtype), v.astype(dtype), start, start + T)
+        k, v = cache_rows(model, i, k, v, start + T - k.shape[1], tables, dtype)
+        append_layer(c, k, v, start, start + T)
     return cache
+
+
+def cache_rows(model: nn.Module, layer: int, keys: mx.array, values: mx.array, start: int,
+               tables: Optional[RopeTables] = None, dtype=None) -> Tuple[mx.array, mx.array]:
+    """Content-space K/V ([B, T, heads*head_dim]) of positions start.. of one layer
+    in its cache's layout ([B, heads, T, head_dim]): keys rotated with the layer's
+    own rope at their positions, both cast to the model's cache dtype."""
+    lg = cache_geometry(model).layers[layer]
+    tables = RopeTables(model) if tables is None else tables
+    dtype = cache_dtype(model) if dtype is None else dtype
+    k = split_heads(keys, lg.n_kv_heads)
+    rope = model.layers[layer].self_attn.rope
+    k = rerope(rope, k, start, tables(layer, start, k.shape[-2], k.shape[-1]))
+    return k.astype(dtype), split_heads(values, lg.n_kv_heads).astype(dtype)
 
 
 def set_layer(c, keys: mx.array, values: mx.array, end: int, length: int):

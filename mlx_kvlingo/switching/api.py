@@ -42,6 +42,7 @@ def translate_span(
     target_cache: Optional[List],
     tokens,
     end: int,
+    history: Optional[History] = None,
 ) -> List:
     """Extend ``target_cache`` (holding ``tokens[:start]``, or None for start = 0) to
     ``tokens[:end]`` with positions start..end-1 translated from ``source_cache``,
@@ -51,12 +52,14 @@ def translate_span(
     model keeps its own cache and only the span the other model wrote since is
     translated. Positions below ``translator.spec.native_prefix`` (the attention
     sink) are computed by the target itself. Both models share the tokenizer; see
-    :func:`translate_aligned` for other pairs.
+    :func:`translate_aligned` for other pairs. ``history``: as in
+    :func:`translate_aligned`.
     """
     tokens = as_batch(tokens)
     alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
     return translate_aligned(
-        source, target, translator, source_cache, target_cache, alignment, end, tokens
+        source, target, translator, source_cache, target_cache, alignment, end, tokens,
+        history=history,
     )
 
 
@@ -70,6 +73,7 @@ def translate_aligned(
     end: int,
     target_tokens: Optional[mx.array] = None,
     native_tail: Optional[int] = 0,
+    history: Optional[History] = None,
 ) -> List:
     """Extend ``target_cache`` to target positions ..end-1 of ``alignment``: native
     positions are computed by the target, in order; the others are translated from
@@ -80,13 +84,15 @@ def translate_aligned(
     itself on top of the translated ones (None: the translator's default,
     ``spec.native_tail``). Spans of a conversation (Session, training) pass 0.
     With ``spec.native_layer0`` the target computes layer 0 of every position
-    itself (models.layer0_kv) instead of translating it.
+    itself (models.layer0_kv) instead of translating it. ``history``: a recompute
+    from ``history.since`` will follow; the rows of the new positions it reads that
+    sliding-window layers drop are kept in it (kernel.History).
     """
     m = resolve_native_tail(translator, native_tail)
     alignment = alignment.with_native_prefix(translator.spec.native_prefix)
     alignment = alignment.with_native_tail(m, end)
     return translate_into(source, target, translator, source_cache, target_cache, alignment,
-                      end, target_tokens, room=1)
+                      end, target_tokens, room=1, history=history)
 
 
 def resolve_native_tail(translator: Translator, native_tail: Optional[int]) -> int:

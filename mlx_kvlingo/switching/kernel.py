@@ -26,6 +26,7 @@ from ..models.cache import (
     append_layer,
     build_cache,
     cache_features,
+    cache_rows,
     cache_length,
     prefill,
     read_layer,
@@ -33,7 +34,7 @@ from ..models.cache import (
 )
 from ..models.features import layer0_features, layer0_kv, token_inputs
 from ..models.geometry import cache_dtype, cache_geometry, max_positions
-from ..models.rope import rerope, rope_planes, rotate_planes, unrope
+from ..models.rope import RopeTables, rerope, rope_planes, rotate_planes, unrope
 
 
 @dataclass
@@ -48,10 +49,60 @@ class History:
     11 of 12 with the target's own rows there). ``since``: the oldest recomputed
     position; each sliding layer gets the rows from its window before ``since`` up
     to its first kept row. ``layers``: layer -> (first position, keys, values) in
-    cache layout, filled by the kernel."""
+    cache layout, filled by the kernel: a switch translates them; a conversation's
+    catch-up, which extends a live cache run by run, keeps each run's rows as it
+    writes them (:meth:`record`, :meth:`record_mapped`), from the rows its cache
+    still held before it (rows older than those are gone: not kept)."""
 
     since: int
     layers: dict = field(default_factory=dict)
+
+    def reach(self, window: int) -> int:
+        """The oldest position a recompute from ``since`` reads in a layer with this
+        sliding window."""
+        return max(self.since - window + 1, 0)
+
+    def add(self, layer: int, lo: int, keys: mx.array, values: mx.array):
+        """Rows of positions lo.. (cache layout) for ``layer``, after the rows it has
+        before lo; rows that do not reach lo are dropped (the rows must run on
+        without a gap)."""
+        held = self.layers.get(layer)
+        if held is not None and held[0] <= lo <= held[0] + held[1].shape[2]:
+            first, k, v = held
+            keys = mx.concatenate([k[..., : lo - first, :], keys], axis=2)
+            values = mx.concatenate([v[..., : lo - first, :], values], axis=2)
+            lo = first
+        self.layers[layer] = (lo, keys, values)
+
+    def record(self, target, cache, lo: int, hi: int):
+        """Keep, for each sliding layer of ``cache``, the rows of positions lo..hi-1
+        that a recompute from ``since`` reads and the layer still holds (a
+        conversation's catch-up: rows written natively, or held from earlier turns,
+        before later positions push them out of the window)."""
+        for i, (c, lg) in enumerate(zip(cache, cache_geometry(target).layers)):
+            a = max(self.reach(lg.window), lo) if lg.window else hi
+            if a >= hi:
+                continue
+            keys, values, first = read_layer(c)
+            if keys is None or first + keys.shape[2] < hi:
+                continue
+            a = max(a, first)
+            self.add(i, a, keys[..., a - first: hi - first, :],
+                     values[..., a - first: hi - first, :])
+
+    def record_mapped(self, target, keys: List[mx.array], values: List[mx.array], hi: int):
+        """Keep, for each sliding layer, the translated rows (content space, the last
+        of positions ..hi-1) that a recompute from ``since`` reads: a catch-up's
+        cache drops those older than the window as it writes them."""
+        tables = RopeTables(target)
+        for i, lg in enumerate(cache_geometry(target).layers):
+            if not lg.window:
+                continue
+            rows = keys[i].shape[1]
+            a = max(self.reach(lg.window), hi - rows)
+            if a < hi:
+                self.add(i, a, *cache_rows(target, i, keys[i][:, a - hi + rows:],
+                                           values[i][:, a - hi + rows:], a, tables))
 
 
 def check_fits(target: nn.Module, n_target_tokens: int) -> None:
@@ -71,9 +122,10 @@ def translate_into(source, target, translator, source_cache, target_cache, align
                history: Optional[History] = None) -> List:
     """:func:`translate_aligned` after the alignment is final. ``room``: positions the
     caller will add next (the first decoding step and any native tail), so that
-    fresh caches are allocated with space for them. ``history``: also translate the
-    rows before each sliding window that a recompute from ``history.since`` reads
-    (a fresh cache only; see :class:`History`)."""
+    fresh caches are allocated with space for them. ``history``: also keep the rows
+    before each sliding window that a recompute from ``history.since`` reads (see
+    :class:`History`): a fresh cache translates them; extending a cache keeps its new
+    rows as they are written."""
     if target_tokens is None:
         target_tokens = mx.array(alignment.target_tokens)[None]
     start = 0 if target_cache is None else cache_length(target_cache)
@@ -84,7 +136,11 @@ def translate_into(source, target, translator, source_cache, target_cache, align
         )
     check_fits(target, len(alignment.target_tokens))
     runs = alignment.runs(start, end)
+    # Extending a live cache, its sliding layers drop rows a recompute may read:
+    # they are kept in ``history`` as they are written (kernel.History.record*).
+    recording = history is not None and _has_sliding_layers(target)
     if target_cache is None and _fresh_block_fits(runs):
+        recording = False  # the fresh path translates its history itself
         # The switch's case: [native prefix] + one translated block (+ native runs
         # after it), written straight into one preallocated buffer per layer.
         k = runs[0][2] if runs[0][0] else 0
@@ -96,6 +152,8 @@ def translate_into(source, target, translator, source_cache, target_cache, align
     for native, lo, hi in runs:
         if native:
             target_cache = _native_run(target, target_tokens, lo, hi, target_cache)
+            if recording:
+                history.record(target, target_cache, lo, hi)
             continue
         idx = alignment.source_index[lo:hi]
         first, last = min(idx), max(idx)
@@ -110,21 +168,32 @@ def translate_into(source, target, translator, source_cache, target_cache, align
         # A sliding-window layer maps only the positions it keeps (a long
         # conversation span would otherwise map rows build_cache then drops).
         tk, tv = translator(keys, values, _token_rows(target, translator, target_tokens, lo, hi),
-                            keep=_kept_rows(target, hi - lo))
+                            keep=_kept_rows(target, hi - lo, history if recording else None, hi))
         if _native_layer0(translator):  # computed by the target, not translated
             tk[0], tv[0] = layer0_features(target, target_tokens[:, lo:hi])
+        if recording:
+            history.record_mapped(target, tk, tv, hi)
         target_cache = build_cache(target, tk, tv, start=lo, cache=target_cache,
                                    length=hi - lo)
     return target_cache
 
 
-def _kept_rows(target, n: int) -> Optional[List[Optional[int]]]:
-    """Per target layer, how many of ``n`` new positions its cache keeps: the window
-    of a sliding-window layer shorter than ``n``, else None (all); None when every
-    layer keeps all."""
-    keep = [lg.window if lg.window is not None and n > lg.window else None
-            for lg in cache_geometry(target).layers]
+def _kept_rows(target, n: int, history: Optional[History] = None, hi: int = 0
+               ) -> Optional[List[Optional[int]]]:
+    """Per target layer, how many of the ``n`` new positions ..hi-1 to map: those its
+    cache keeps (the window of a sliding-window layer shorter than ``n``) and those
+    ``history`` reads, else None (all); None when every layer maps all."""
+    keep = []
+    for lg in cache_geometry(target).layers:
+        rows = n if lg.window is None else min(n, lg.window)
+        if history is not None and lg.window is not None:
+            rows = max(rows, min(n, hi - history.reach(lg.window)))
+        keep.append(rows if rows < n else None)
     return keep if any(keep) else None
+
+
+def _has_sliding_layers(target) -> bool:
+    return any(lg.window for lg in cache_geometry(target).layers)
 
 
 def _native_layer0(translator) -> bool:

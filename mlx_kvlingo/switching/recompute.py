@@ -14,10 +14,10 @@ tokens it reads after the context ride in the same sequence.
 
 Sliding-window layers attend to the positions before a within their window. A
 switch keeps only the last window's worth, so it translates the older rows a
-recompute reads beside the cache (kernel.History), and the pass reads them there.
-Without them (a conversation's cache, :func:`recompute_spans` without
-``history``), a span older than the window sees only itself, and the recomputed
-positions within its window, in those layers.
+recompute reads beside the cache (kernel.History), and the pass reads them there;
+a conversation's catch-up keeps them as it writes them. Without them
+(:func:`recompute_spans` without ``history``), a span older than the window sees
+only itself, and the recomputed positions within its window, in those layers.
 """
 
 import bisect
@@ -137,7 +137,8 @@ def _by_position(c, end: int, top: int, older: Optional[Tuple] = None
     """Layer cache ``c``'s keys and values of positions 0..top-1 in position order
     (positions it does not hold, before a sliding window or from ``end`` on: zeros),
     and which positions it holds. ``older``: (lo, keys, values), rows of positions
-    lo.. before the ones ``c`` holds (kernel.History), held too."""
+    lo.. before the ones ``c`` holds (kernel.History), held too where they run on
+    up to them."""
     first = _first_held(c, end)
     B, H, _, D = c.keys.shape
     Dv = c.values.shape[-1]
@@ -148,7 +149,7 @@ def _by_position(c, end: int, top: int, older: Optional[Tuple] = None
     else:
         k, v = [c.keys[..., :end, :]], [c.values[..., :end, :]]
     lo = first
-    if older is not None and first:
+    if older is not None and first and older[0] < first <= older[0] + older[1].shape[2]:
         lo, ok, ov = older
         k.insert(0, ok[..., : first - lo, :].astype(c.keys.dtype))
         v.insert(0, ov[..., : first - lo, :].astype(c.values.dtype))
