@@ -25,6 +25,13 @@ def row(run, setting):
             f"{n.value:.2f} [{n.low:.2f}, {n.high:.2f}] | {ttft * 1e3:.0f} ms | {read:.0f} |")
 
 
+def _switch_of(equal_time: str) -> str:
+    """The switch setting an equal-time setting was timed against: "equal-time
+    (switch + recompute 10% (at most 128))" -> "switch + recompute 10% (at most 128)"."""
+    prefix = "equal-time ("
+    return equal_time[len(prefix):-1] if equal_time.startswith(prefix) else "switch"
+
+
 def gate_rows(run, settings, max_false_alarms: float = 0.2):
     """The fact probe as a gate, per switch setting: on the items the re-prefill
     answers, it should fire where the switch fails (true positives) and not where it
@@ -73,8 +80,7 @@ def page(runs) -> str:
         out += ["| paired difference in exact match | value [95% CI] |", "|---|---|"]
         pairs = [("native", "switch")] + [("switch", s) for s in settings
                                           if s.startswith("switch +")]
-        pairs += [(s.replace("equal-time (", "").rstrip(")") if s.startswith("equal-time (")
-                   else "switch", s) for s in settings if s.startswith("equal-time")]
+        pairs += [(_switch_of(s), s) for s in settings if s.startswith("equal-time")]
         for a, b in pairs:
             d = paired_mean_difference(exact(run, a), exact(run, b))
             out.append(f"| {b} minus {a} | {d.value:+.2f} [{d.low:+.2f}, {d.high:+.2f}] |")
