@@ -399,3 +399,13 @@ def test_a_catch_up_recomputes_words_older_than_a_sliding_window_with_their_cont
     ids = s.tokens
     want = log_softmax(m(mx.array([ids]))[0, len(ids) - got.shape[0] - 1:-1])
     assert mx.abs(got - want).max().item() < 1e-3
+
+
+def test_a_catch_up_recomputes_a_fact_like_word_at_its_very_end(target):
+    """The word the catch-up's translated positions end with is recomputed within
+    them: a span never reaches past the catch-up (its cache ends there)."""
+    m, tok = target
+    s = twin_session(m, tok, recompute=1.0, recompute_max=0)
+    s.read("a", "It rained. The code is 58213")
+    s.read("b", " and then?")
+    assert s.reports[-1].recomputed > 0

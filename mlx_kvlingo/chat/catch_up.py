@@ -238,7 +238,7 @@ class FactRecompute:
         entry, view = session.entry(name), session.transcript_of(name)
         text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
         spans = [(a + lo, b + lo) for a, b in salient_spans(
-            text, offsets, count, lo=1 if lo == 0 else 0)]
+            text, offsets, count, lo=1 if lo == 0 else 0, hi=hi - lo)]
         sliding = any(lg.window for lg in cache_geometry(entry.model).layers)
         history = History(since=spans[0][0]) if spans and sliding else None
         return cls(spans, history, time.perf_counter() - t0)
