@@ -354,24 +354,28 @@ def test_recomputing_fact_like_words_after_an_exact_catch_up_changes_nothing(tar
 
 
 def test_a_session_recomputes_what_its_translators_default_to(target):
-    """Without its own budget a Session recomputes what the translators that wrote a
-    catch-up default to (spec.recompute, capped at spec.recompute_max); its own
-    budget (0: none) overrides them; a budget out of range is refused."""
+    """Without its own budget a Session recomputes twice the share the translators
+    that wrote a catch-up default to (spec.recompute), capped at their
+    spec.recompute_max; its own budget (0: none) overrides them; a budget out of
+    range is refused."""
     m, tok = target
     turns = [("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini."),
              ("b", "Which code was it?")]
 
-    def recomputed(**kw):
+    def recomputed(share=0.5, **kw):
         s = twin_session(m, tok, **kw)
         for t in s._translators.values():
-            t.spec.recompute, t.spec.recompute_max = 0.5, 10
+            t.spec.recompute, t.spec.recompute_max = share, 10
         for name, text in turns:
             s.generate(name, text, max_tokens=2)
-        return s.reports[1].recomputed
+        return s.reports[1].recomputed, s.reports[1].translated
 
-    assert 0 < recomputed() <= 10
-    assert recomputed(recompute=0.0) == 0
-    assert recomputed(recompute_max=0) > 10  # uncapped: half of the translated positions
+    assert 0 < recomputed()[0] <= 10
+    assert recomputed(recompute=0.0)[0] == 0
+    # Uncapped: twice the file's share, what a session's own budget of it recomputes.
+    assert recomputed(0.15, recompute_max=0) == recomputed(recompute=0.3, recompute_max=0)
+    assert recomputed(0.15, recompute_max=0)[0] > recomputed(recompute=0.15, recompute_max=0)[0]
+    assert recomputed(0.0)[0] == 0  # files that recompute nothing: a catch-up neither
     with pytest.raises(KvlingoError, match="share of the context"):
         twin_session(m, tok, recompute=1.5)
     with pytest.raises(KvlingoError, match="number of positions"):

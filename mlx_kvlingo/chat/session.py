@@ -93,8 +93,9 @@ class Session:
     look like facts (numbers, names, identifiers) among the translated positions
     itself, up to this share of them (0.1 = 10 %; 0: none): what a translated cache
     loses first. ``recompute_max``: the most positions a catch-up recomputes (0: no
-    limit). None (default): the translators' own defaults (``spec.recompute``,
-    ``spec.recompute_max``).
+    limit). None (default): from the translators' own defaults: twice their share
+    (``spec.recompute``: a catch-up's turns are short, and facts need more of them)
+    and their cap (``spec.recompute_max``).
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;
