@@ -18,7 +18,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
-from ..models.geometry import cache_geometry
 from ..switching.api import RecomputeBudget, translate_aligned, translate_span
 from ..switching.kernel import History
 from ..switching.recompute import Span, recompute_spans, salient_spans, token_offsets
@@ -223,7 +222,8 @@ class FactRecompute:
     which the model then recomputes itself (up to the session's recompute budget:
     its own, or the translators' defaults). Chosen before the translation, so that
     the catch-up keeps the rows they read that its sliding-window layers drop
-    (``history``; None when nothing is chosen or no layer slides)."""
+    (``history``, which holds nothing for a model without such layers; None when
+    nothing is chosen)."""
 
     spans: List[Span] = field(default_factory=list)
     history: Optional[History] = None
@@ -239,8 +239,7 @@ class FactRecompute:
         text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
         spans = [(a + lo, b + lo) for a, b in salient_spans(
             text, offsets, count, lo=1 if lo == 0 else 0, hi=hi - lo)]
-        sliding = any(lg.window for lg in cache_geometry(entry.model).layers)
-        history = History(since=spans[0][0]) if spans and sliding else None
+        history = History(since=spans[0][0]) if spans else None
         return cls(spans, history, time.perf_counter() - t0)
 
     def run(self, session, name: str, report: TurnReport):

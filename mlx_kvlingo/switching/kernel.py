@@ -94,13 +94,14 @@ class History:
         """Keep, for each sliding layer, the translated rows (content space, the last
         of positions ..hi-1) that a recompute from ``since`` reads: a catch-up's
         cache drops those older than the window as it writes them."""
-        tables = RopeTables(target)
+        tables = None
         for i, lg in enumerate(cache_geometry(target).layers):
             if not lg.window:
                 continue
             rows = keys[i].shape[1]
             a = max(self.reach(lg.window), hi - rows)
             if a < hi:
+                tables = tables or RopeTables(target)
                 self.add(i, a, *cache_rows(target, i, keys[i][:, a - hi + rows:],
                                            values[i][:, a - hi + rows:], a, tables))
 
@@ -137,8 +138,9 @@ def translate_into(source, target, translator, source_cache, target_cache, align
     check_fits(target, len(alignment.target_tokens))
     runs = alignment.runs(start, end)
     # Extending a live cache, its sliding layers drop rows a recompute may read:
-    # they are kept in ``history`` as they are written (kernel.History.record*).
-    recording = history is not None and _has_sliding_layers(target)
+    # they are kept in ``history`` as they are written (History.record*, which
+    # skip layers without a window).
+    recording = history is not None
     if target_cache is None and _fresh_block_fits(runs):
         recording = False  # the fresh path translates its history itself
         # The switch's case: [native prefix] + one translated block (+ native runs
@@ -190,10 +192,6 @@ def _kept_rows(target, n: int, history: Optional[History] = None, hi: int = 0
             rows = max(rows, min(n, hi - history.reach(lg.window)))
         keep.append(rows if rows < n else None)
     return keep if any(keep) else None
-
-
-def _has_sliding_layers(target) -> bool:
-    return any(lg.window for lg in cache_geometry(target).layers)
 
 
 def _native_layer0(translator) -> bool:
