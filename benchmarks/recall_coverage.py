@@ -40,18 +40,24 @@ def answer_positions(item: dict, offsets) -> list:
     return [i for i, (a, b) in enumerate(offsets) if b > start and a < stop]
 
 
+# A setting's name: "switch + recompute 10%", with its cap: "... (at most 128)".
+_BUDGET = re.compile(r"switch \+ recompute (\d+)%(?: \(at most (\d+)\))?")
+
+
 def coverage(run: dict, tokenizer) -> str:
-    budgets = [k for k in run["scores"] if re.fullmatch(r"switch \+ recompute \d+%", k)]
+    budgets = [k for k in run["scores"] if _BUDGET.fullmatch(k)]
     lo, tail = prefix_and_tail(run)
     lines = [f"## {run['source']} -> {run['target']}, ~{run.get('tokens', '?')} tokens, "
              f"{len(run['items'])} items", ""]
     for setting in budgets:
-        share = int(setting.rsplit(" ", 1)[1].rstrip("%")) / 100
+        m = _BUDGET.fullmatch(setting)
+        share, most = int(m.group(1)) / 100, int(m.group(2) or 0)
         table = {}
         for i, item in enumerate(run["items"]):
             prompt = item["context"] + item["cue"]
             ids, offsets = tokenize_with_offsets(tokenizer, prompt)
-            spans = salient_spans(prompt, offsets, int(share * len(ids)), lo,
+            budget = int(share * len(ids))
+            spans = salient_spans(prompt, offsets, min(budget, most) if most else budget, lo,
                                   len(ids) - 1 - tail)
             chosen = {p for a, b in spans for p in range(a, b)}
             covered = all(p in chosen for p in answer_positions(item, offsets))

@@ -175,7 +175,8 @@ def compress(
                                      "(loads the target too)."),
 ):
     """Compress a translator: every map reads one shared low-rank projection of the
-    source layers instead of its own concatenation of them (a cheaper switch)."""
+    source layers instead of its own concatenation of them (a cheaper switch). A
+    compressed translator is compressed again to the ranks given."""
     from mlx_kvlingo.models.geometry import cache_geometry
     from mlx_kvlingo.models.load import load
     from mlx_kvlingo.pairs.shipped import translator_for
@@ -190,7 +191,9 @@ def compress(
         if cache_geometry(src) != t.spec.source.cache_geometry:
             fail(f"{source} is not the source model this translator was made for "
                  f"({t.spec.source.name}).")
-        tgt, tgt_tok = load(target) if fold_tokens else (None, None)
+        # A compressed file is compressed again as it was made (token maps folded or not).
+        fold = fold_tokens or bool(t.spec.shared_tokens)
+        tgt, tgt_tok = load(target) if fold else (None, None)
         small, r = compress_on_corpus(src, src_tok, t, key_rank, value_rank, corpus, tokens,
                                       target=tgt, target_tokenizer=tgt_tok)
         small.save(out, bits=bits)

@@ -104,6 +104,28 @@ def test_lower_ranks_lose_more_and_cost_less():
     assert costs[0] < costs[1] < costs[2]
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_a_compressed_translator_compresses_again_to_lower_ranks(fold):
+    """Compressed again, a full-rank compression gives what compressing the
+    original at the lower ranks gives (same maps, same calibration), costs less,
+    and reports its multiply-adds from the compressed maps it started from."""
+    m = tiny_model("llama")
+    t = with_token_maps(m) if fold else identity_translator(m)
+    feats = calibration_features(m, windows(8), t.source_layers, target=m if fold else None)
+    width = feats["k"].shape[1] + (feats["tokens"].shape[1] if fold else 0)
+    full, _ = compress_translator(t, feats, width, width, fold_tokens=fold)
+    direct, want = compress_translator(t, feats, 6, 4, fold_tokens=fold)
+    again, got = compress_translator(full, feats, 6, 4, fold_tokens=fold)
+    assert (got.key_rank, got.value_rank) == (6, 4)
+    assert np.allclose(got.key_error, want.key_error, atol=1e-4)
+    assert np.allclose(got.value_error, want.value_error, atol=1e-4)
+    assert got.macs_after == want.macs_after < got.macs_before
+    ids = windows(1, length=30, seed=99)[0]
+    a = switch(m, m, direct, ids, native_tail=0).cache
+    b = switch(m, m, again, ids, native_tail=0).cache
+    assert max_difference(a, b) < 1e-3
+
+
 def test_reported_error_is_the_switch_error_on_calibration_text():
     """The per-layer error the report gives is what the compressed maps do to the
     features of the calibration text itself."""
@@ -153,8 +175,8 @@ def test_bad_compressions_are_refused():
     t = identity_translator(m)
     small, _ = compressed(m, t, 8, 8)
     feats = calibration_features(m, windows(1, length=6), t.source_layers)
-    with pytest.raises(KvlingoError, match="compressed already"):
-        compress_translator(small, feats, 4, 4)
+    with pytest.raises(KvlingoError, match="as it was made"):
+        compress_translator(small, {**feats, "tokens": feats["k"]}, 4, 4, fold_tokens=True)
     with pytest.raises(KvlingoError, match="calibrate on more tokens"):
         compress_translator(t, feats, 8, 8)
     with pytest.raises(KvlingoError, match="rank is a count"):

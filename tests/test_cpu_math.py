@@ -76,7 +76,7 @@ def test_gradients_equal_mlx():
 @pytest.fixture
 def every_pass(monkeypatch):
     """The numpy paths for every query and activation size, in blocks of 4, counted."""
-    monkeypatch.setattr(cpu_math, "MIN_QUERIES", 1)
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 1)
     monkeypatch.setattr(cpu_math, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu_math, "BLOCK", 4)
     calls = {"attention": 0, "activation": 0}
@@ -145,6 +145,18 @@ def test_only_numpy_passes_take_the_numpy_paths(every_pass):
     assert every_pass["attention"] > 0 and every_pass["activation"] > 0
     _close(fast[0], ref[0], 1e-6)
     _close(fast[1], ref[1], 1e-5, rtol=1e-4)  # entries up to ~1.4: float32 rounding
+
+
+def test_few_queries_over_a_long_cache_take_the_numpy_attention(monkeypatch):
+    """What decides is the attention's scores (heads x queries x keys), not its
+    queries: a switch's short first step over a long cache is most of its softmax."""
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 4 * 4 * 600)
+    q = mx.zeros((1, 4, 4, 8))
+    short, long = mx.zeros((1, 2, 60, 8)), mx.zeros((1, 2, 600, 8))
+    assert cpu_math._long_attention(q, long, long)
+    assert not cpu_math._long_attention(q, short, short)
+    assert not cpu_math._long_attention(q[:, :, :1], long, long)
+    assert not cpu_math._long_attention(q, long, long, sinks=mx.zeros((4,)))
 
 
 def test_off_switch_and_the_attention_recorder(every_pass, monkeypatch):

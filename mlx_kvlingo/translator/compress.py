@@ -127,6 +127,16 @@ def _stacked(translator: Translator, kind: str, widths: Dict[int, int],
     return out
 
 
+def _expanded(translator: Translator, kind: str) -> List[np.ndarray]:
+    """A compressed translator's maps of ``kind`` as each target layer's whole
+    matrix [projection inputs, target width]: the shared projection times its map
+    (compressing it again, to lower ranks, factors these)."""
+    shared = translator.k_shared if kind == "k" else translator.v_shared
+    a = np.array(shared.weight, dtype=np.float64).T
+    maps = translator.k_maps if kind == "k" else translator.v_maps
+    return [a @ np.array(m.weight, dtype=np.float64).T for m in maps]
+
+
 def _factor(x: np.ndarray, blocks: List[np.ndarray], rank: int):
     """(A [D, r], per-block B [r, width], per-block relative error) minimising
     |x W - x A B| for W = the blocks side by side."""
@@ -155,14 +165,19 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
     """A compressed copy of ``translator`` (spec.shared_rank) fitted on ``features``
     (:func:`calibration_features` of its ``source_layers``, with the target's
     "tokens" when ``fold_tokens``). Token maps are kept as they are, or with
-    ``fold_tokens`` folded into the projection. Returns (translator,
+    ``fold_tokens`` folded into the projection. A compressed translator is
+    compressed again (to lower ranks: a cheaper switch) from its maps as they are,
+    its token maps folded in or not as they were. Returns (translator,
     CompressionReport)."""
-    if translator.spec.shared_rank:
-        raise KvlingoError("This translator is compressed already.")
+    recompress = bool(translator.spec.shared_rank)
+    if recompress and fold_tokens != bool(translator.spec.shared_tokens):
+        raise KvlingoError("A compressed translator is compressed again as it was made: "
+                           + ("with" if translator.spec.shared_tokens else "without")
+                           + " its token maps folded in.")
     for r in (key_rank, value_rank):
         if not isinstance(r, int) or r < 1:
             raise KvlingoError(f"A rank is a count >= 1, not {r!r}.")
-    if fold_tokens and not translator.spec.token_layers:
+    if fold_tokens and not translator.spec.token_layers and not recompress:
         raise KvlingoError("This translator has no token maps to fold in.")
     if fold_tokens and "tokens" not in features:
         raise KvlingoError("Folding token maps in needs the target's token inputs "
@@ -183,13 +198,14 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
         x = features[kind]
         if fold_tokens:
             x = np.concatenate([x, features["tokens"]], axis=1)
-        a, parts, errors[kind] = _factor(x, _stacked(translator, kind, widths, fold_tokens),
-                                         rank)
+        blocks = (_expanded(translator, kind) if recompress
+                  else _stacked(translator, kind, widths, fold_tokens))
+        a, parts, errors[kind] = _factor(x, blocks, rank)
         factors[kind] = (a, parts)
     # The ranks as factored: no more than the stacked maps have.
     ranks = {kind: factors[kind][0].shape[1] for kind in "kv"}
     out = Translator(replace(translator.spec, shared_rank=ranks, shared_tokens=fold_tokens))
-    if not fold_tokens:
+    if not fold_tokens:  # token maps kept apart stay as they are
         out.k_tok, out.v_tok = translator.k_tok, translator.v_tok
     for kind, (a, parts) in factors.items():
         shared = out.k_shared if kind == "k" else out.v_shared
@@ -198,11 +214,15 @@ def compress_translator(translator: Translator, features: Dict[str, np.ndarray],
             m.weight = mx.array(b.T.astype(np.float32))
     mx.eval(out.parameters())
     targets = [m.weight.shape[0] for m in translator.k_maps]
-    before = sum(2 * sum(widths[j] for j in layers) * t
-                 for layers, t in zip(translator.spec.layer_map, targets))
     tokens = sum(2 * translator.spec.token_width * targets[i]
                  for i in translator.spec.token_layers)
-    before += tokens
+    if recompress:
+        before = sum(r * (inputs + sum(targets)) for r in translator.spec.shared_rank.values())
+    else:
+        before = sum(2 * sum(widths[j] for j in layers) * t
+                     for layers, t in zip(translator.spec.layer_map, targets))
+    if not (recompress and fold_tokens):  # (folded in already: counted in inputs)
+        before += tokens
     after = sum(ranks[k] * (inputs + sum(targets)) for k in "kv") + (0 if fold_tokens
                                                                      else tokens)
     return out, CompressionReport(ranks["k"], ranks["v"], len(features["k"]),
