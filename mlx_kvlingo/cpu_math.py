@@ -44,6 +44,10 @@ ENV = "MLX_KVLINGO_CPU_MATH"
 MIN_SCORES = 1 << 15
 MIN_ELEMENTS = 1 << 13  # activations (a 17-token pass of SmolLM2: 26 k a layer)
 BLOCK = 256  # queries per block: bounds the scores held at once
+# With a mask array a block reads the keys up to the last one any of its queries
+# may see: a recompute pass's queries (positions in order, spread over the
+# context) skip the keys after them in smaller blocks.
+MASKED_BLOCK = 32
 
 _state = threading.local()
 
@@ -269,19 +273,37 @@ def attention(queries, keys, values, scale: float, mask, block: int = BLOCK) -> 
     q = (queries.astype(mx.float32) * scale).reshape(B, Hk, rep, L, D)
     k, v = keys.astype(mx.float32), values.astype(mx.float32)
     causal = isinstance(mask, str)
+    masked = mask is not None and not causal
+    if masked:
+        block = min(block, MASKED_BLOCK)
+        last = _last_seen(mask, S)
     out = []
     for a in range(0, L, block):
         b = min(a + block, L)
         n = b - a
-        hi = S - L + b if causal else S  # keys past the block's last query are hidden
+        # Keys past the block's last query (causal) or past the last key any of its
+        # queries may see (a mask) are hidden: not computed.
+        hi = S - L + b if causal else int(last[a:b].max()) if masked else S
         qb = q[..., a:b, :].reshape(B, Hk, rep * n, D)
         s = (qb @ k[:, :, :hi].swapaxes(-1, -2)).reshape(B, Hk, rep, n, hi)
-        if mask is not None and not causal:
-            m = _block_mask(mask, a, b, H, Hk, rep)
+        if masked:
+            m = _block_mask(mask, a, b, H, Hk, rep)[..., :hi]
             s = mx.where(m, s, -mx.inf) if m.dtype == mx.bool_ else s + m.astype(mx.float32)
         p = _softmax(s, n if causal else 0).reshape(B, Hk, rep * n, hi)
         out.append((p @ v[:, :, :hi]).reshape(B, Hk, rep, n, -1))
     return mx.concatenate(out, axis=3).reshape(B, H, L, -1).astype(dtype)
+
+
+def _last_seen(mask: mx.array, S: int) -> np.ndarray:
+    """Per query row of a mask broadcastable to [B, H, L, S]: one past the last key
+    any batch row or head may see (boolean: True; additive: not -inf), at least 1."""
+    m = mask if mask.dtype == mx.bool_ else mask > -mx.inf
+    m = mx.broadcast_to(m, (*m.shape[:-1], S))
+    while m.ndim > 2:
+        m = m.any(axis=0)
+    seen = np.array(m)  # [L, S]
+    last = S - np.argmax(seen[:, ::-1], axis=1)
+    return np.where(seen.any(axis=1), last, 1)
 
 
 def _block_mask(mask: mx.array, a: int, b: int, H: int, Hk: int, rep: int) -> mx.array:

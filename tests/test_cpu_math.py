@@ -43,6 +43,26 @@ def test_attention_equals_mlx(heads, L, S, mask):
     _close(out, ref, 1e-5, f"{heads} {L}x{S} {mask}")
 
 
+@pytest.mark.parametrize("additive", [False, True])
+def test_masked_blocks_skip_the_keys_their_queries_cannot_see(additive, monkeypatch):
+    """A recompute pass's mask: queries at scattered positions in order, each seeing
+    the keys up to its own; blocks read only the keys up to their last query's
+    (fewer scores), and the result is mlx's."""
+    monkeypatch.setattr(cpu_math, "MASKED_BLOCK", 4)
+    S = 64
+    positions = mx.array([3, 5, 6, 17, 18, 30, 41, 42, 43, 60, 61, 62, 63])
+    allowed = mx.arange(S)[None] <= positions[:, None]
+    mask = mx.where(allowed, 0.0, -mx.inf) if additive else allowed
+    q, k, v = _qkv(1, 6, 2, positions.size, S, 16, seed=5)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    widths, softmax = [], cpu_math._softmax
+    monkeypatch.setattr(cpu_math, "_softmax",
+                        lambda s, n: widths.append(s.shape[-1]) or softmax(s, n))
+    out = cpu_math.attention(q, k, v, 0.25, mask)
+    _close(out, ref, 1e-5, f"additive={additive}")
+    assert widths == [18, 43, 63, 64]  # blocks of 4 queries: up to 17, 42, 62, 63
+
+
 def test_activations_and_log_softmax_equal_mlx():
     x = mx.random.normal((3, 70, 400)) * 4
     g = mx.random.normal((3, 70, 400)) * 4
@@ -116,7 +136,7 @@ def test_prefill_equals_mlx_lm_for_every_architecture(arch, every_pass, monkeypa
                        monkeypatch)
     for i, (a, b) in enumerate(zip(fast, ref)):
         for x, y in zip(read_layer(a)[:2], read_layer(b)[:2]):
-            _close(x, y, 1e-5, f"{arch} layer {i}", rtol=1e-4)  # float32 rounding, layer on layer
+            _close(x, y, 5e-5, f"{arch} layer {i}", rtol=1e-4)  # float32 rounding, layer on layer
     nxt = tokens[:, -1:]
     _close(model(nxt, cache=fast), model(nxt, cache=ref), 1e-4, f"{arch} logits", rtol=1e-4)
 
