@@ -58,8 +58,8 @@ def main():
                                                             budget.most)
     training = spec.training
     training.pop("gate", None)  # the package adds its calibrated threshold at load
-    if "eval" in training:
-        training["eval_uncompressed"] = training.pop("eval")
+    if "eval" in training and "eval_uncompressed" not in training:
+        training["eval_uncompressed"] = training.pop("eval")  # (compressed again: kept)
     training["eval"] = {}
     for path in args.cbr:
         corpus, rows = cbr_summary(path)
