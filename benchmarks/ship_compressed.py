@@ -48,6 +48,8 @@ def main():
     ap.add_argument("--native-tail", type=int, default=16)
     ap.add_argument("--recompute", type=float, default=0.1)
     ap.add_argument("--recompute-max", type=int, default=128)
+    ap.add_argument("--recompute-reserve", type=int, default=0,
+                    help="positions the default share leaves out (RecomputeBudget)")
     args = ap.parse_args()
     t = load_translator(args.file)
     if not t.spec.shared_rank:
@@ -56,6 +58,7 @@ def main():
     spec = t.spec
     spec.native_tail, spec.recompute, spec.recompute_max = (args.native_tail, budget.share,
                                                             budget.most)
+    spec.recompute_reserve = args.recompute_reserve if budget.share else 0
     training = spec.training
     training.pop("gate", None)  # the package adds its calibrated threshold at load
     if "eval" in training and "eval_uncompressed" not in training:

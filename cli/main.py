@@ -560,6 +560,9 @@ def defaults(
         "switch, on its fact-like words (0: none)."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions that share may come to (0: no limit)."),
+    recompute_reserve: Optional[int] = typer.Option(
+        None, help="Positions the share leaves out (the switch's fixed cost): it recomputes "
+        "the share of the context less these."),
     out: Optional[Path] = typer.Option(
         None, help="Write the file with the new defaults here (default: in place)."),
 ):
@@ -574,19 +577,26 @@ def defaults(
         loaded = load_translator(translator)
         spec = loaded.spec
         changes = {k: v for k, v in [("native_tail", native_tail), ("recompute", recompute),
-                                     ("recompute_max", recompute_max)] if v is not None}
+                                     ("recompute_max", recompute_max),
+                                     ("recompute_reserve", recompute_reserve)] if v is not None}
         if changes:
             if native_tail is not None and native_tail < 0:
                 raise KvlingoError(f"--native-tail is a count >= 0, not {native_tail}.")
+            if recompute_reserve is not None and recompute_reserve < 0:
+                raise KvlingoError(f"--recompute-reserve is a count >= 0, not "
+                                   f"{recompute_reserve}.")
             budget = RecomputeBudget.of(loaded, recompute, recompute_max)
             spec = replace(spec, **changes)
             spec.recompute = budget.share
             spec.recompute_max = budget.most if budget.share else 0
+            spec.recompute_reserve = spec.recompute_reserve if budget.share else 0
             rewrite_spec(translator, out or translator, spec)
             load_translator(out or translator)  # what was written reads back
             typer.echo(f"Wrote {out or translator}")
         cap = f", at most {spec.recompute_max} positions" if spec.recompute_max else ""
-        typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{cap}")
+        less = (f" less {spec.recompute_reserve} positions" if spec.recompute
+                and spec.recompute_reserve else "")
+        typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}")
 
     _run(go)
 

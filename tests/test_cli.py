@@ -87,6 +87,9 @@ def test_defaults_shows_and_sets_a_files_switch_defaults(fitted_translator, tmp_
     assert before.spec.recompute == 0.0
     for a, b in zip(t.k_maps + t.v_maps, before.k_maps + before.v_maps):
         assert mx.array_equal(a.weight, b.weight)
+    said = run_cli("defaults", out, "--recompute-reserve", "55").stdout
+    assert "recompute 10% less 55 positions, at most 128 positions" in said
+    assert load_translator(out).spec.recompute_reserve == 55
     bad = run_cli("defaults", out, "--recompute", "1.5", check=False)
     assert bad.returncode != 0 and "share of the context" in bad.stderr + bad.stdout
     assert load_translator(out).spec.recompute == 0.1

@@ -411,3 +411,32 @@ def test_a_recompute_budget_is_a_share_up_to_a_cap_and_defaults_to_the_translato
     assert switch(src, src, t, ids, native_tail=0).deferred == []
     with pytest.raises(KvlingoError, match="number of positions"):
         switch_text(src, stok, src, stok, t, text, recompute_max=-2)
+
+
+def test_a_files_reserve_comes_off_its_default_share_only(toy_pair, tmp_path):
+    """A budget's reserve: a share of the context less a fixed number of positions
+    (a switch's fixed cost), so more of a long context than of a short one; a file
+    carries it with its default share and keeps it through a save; a share asked
+    for is that share, no reserve."""
+    from mlx_kvlingo.switching.api import RecomputeBudget, switch_text
+    from mlx_kvlingo.translator.maps import load_translator
+
+    budget = RecomputeBudget(0.25, 220, 55)
+    assert [budget.positions(n) for n in (100, 550, 1100, 2048)] == [0, 82, 220, 220]
+    assert RecomputeBudget(0.0, 0, 55).positions(2048) == 0
+    src, stok, _, _ = toy_pair
+    t = identity_translator(src, stok)
+    t.spec.recompute, t.spec.recompute_max, t.spec.recompute_reserve = 0.5, 0, 6
+    t.save(tmp_path / "t.safetensors")
+    t = load_translator(tmp_path / "t.safetensors")
+    assert RecomputeBudget.of(t) == RecomputeBudget(0.5, 0, 6)
+    assert RecomputeBudget.of(t, 0.5) == RecomputeBudget(0.5, 0, 0)
+    text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
+            "Nothing else of note happened that day, and the file was closed again.")
+
+    def chosen(**kw):
+        r = switch_text(src, stok, src, stok, t, text, native_tail=0, **kw)
+        return sum(b - a for a, b in r.deferred)
+
+    n = len(stok.encode(text))
+    assert 0 < chosen() <= int(0.5 * n) - 6 < chosen(recompute=0.5) <= int(0.5 * n)

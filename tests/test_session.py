@@ -362,10 +362,11 @@ def test_a_session_recomputes_what_its_translators_default_to(target):
     turns = [("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini."),
              ("b", "Which code was it?")]
 
-    def recomputed(share=0.5, **kw):
+    def recomputed(share=0.5, reserve=0, **kw):
         s = twin_session(m, tok, **kw)
         for t in s._translators.values():
             t.spec.recompute, t.spec.recompute_max = share, 10
+            t.spec.recompute_reserve = reserve
         for name, text in turns:
             s.generate(name, text, max_tokens=2)
         return s.reports[1].recomputed, s.reports[1].translated
@@ -376,6 +377,10 @@ def test_a_session_recomputes_what_its_translators_default_to(target):
     assert recomputed(0.15, recompute_max=0) == recomputed(recompute=0.3, recompute_max=0)
     assert recomputed(0.15, recompute_max=0)[0] > recomputed(recompute=0.15, recompute_max=0)[0]
     assert recomputed(0.0)[0] == 0  # files that recompute nothing: a catch-up neither
+    # The files' reserve comes off their doubled share; a session's own share has none.
+    assert recomputed(0.15, reserve=3, recompute_max=0)[0] < recomputed(0.15, recompute_max=0)[0]
+    assert recomputed(0.15, reserve=3, recompute=0.3, recompute_max=0) == recomputed(
+        recompute=0.3, recompute_max=0)
     with pytest.raises(KvlingoError, match="share of the context"):
         twin_session(m, tok, recompute=1.5)
     with pytest.raises(KvlingoError, match="number of positions"):

@@ -268,10 +268,13 @@ CATCH_UP_SHARE_FACTOR = 2.0
 def _recompute_budget(session, translators) -> RecomputeBudget:
     """The session's recompute share and cap; what it leaves unset (None), from the
     largest defaults among the translators that wrote the catch-up's spans (the
-    share times CATCH_UP_SHARE_FACTOR, at most all of it)."""
+    share times CATCH_UP_SHARE_FACTOR, at most all of it; with the smallest of
+    their reserves)."""
     specs = [t.spec for t in translators]
     share = session.recompute if session.recompute is not None else min(
         1.0, CATCH_UP_SHARE_FACTOR * max([getattr(s, "recompute", 0.0) for s in specs] + [0.0]))
     most = session.recompute_max if session.recompute_max is not None else max(
         [getattr(s, "recompute_max", 0) for s in specs] + [0])
-    return RecomputeBudget(share, most)
+    reserve = 0 if session.recompute is not None else min(
+        [getattr(s, "recompute_reserve", 0) for s in specs] or [0])
+    return RecomputeBudget(share, most, reserve)

@@ -91,6 +91,11 @@ class TranslatorSpec:
     # before these fields: none.
     recompute: float = 0.0
     recompute_max: int = 0
+    # Positions the default budget leaves out: it recomputes ``recompute`` of the
+    # context less these (the switch's own fixed cost, in positions), so that its
+    # time stays about the same share of a re-prefill's at every length (see
+    # switching.api.RecomputeBudget). Files written before this field: 0.
+    recompute_reserve: int = 0
     # The target computes its layer-0 K/V itself instead of translating them (they
     # depend only on each token and its position: exact, and cheap). The maps of
     # layer 0 stay in the file, unused. Files written before this field: off.
@@ -123,6 +128,8 @@ class TranslatorSpec:
             del d["shared_rank"], d["shared_tokens"]
         if not self.recompute:
             del d["recompute"], d["recompute_max"]
+        if not self.recompute or not self.recompute_reserve:
+            del d["recompute_reserve"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -530,9 +537,11 @@ def _validate_spec(spec: TranslatorSpec):
     if not _is_count(spec.native_tail):
         raise TranslatorFileError(f"invalid native_tail {spec.native_tail!r}.")
     if not (isinstance(spec.recompute, (int, float)) and not isinstance(spec.recompute, bool)
-            and 0 <= spec.recompute <= 1 and _is_count(spec.recompute_max)):
+            and 0 <= spec.recompute <= 1 and _is_count(spec.recompute_max)
+            and _is_count(spec.recompute_reserve)):
         raise TranslatorFileError(
-            f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r}.")
+            f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r} / "
+            f"recompute_reserve {spec.recompute_reserve!r}.")
     if not isinstance(spec.native_layer0, bool):
         raise TranslatorFileError(f"invalid native_layer0 {spec.native_layer0!r}.")
     for role in ("source", "target"):
