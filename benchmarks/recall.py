@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--native-tail", type=int, default=None, help="default: the translator's")
     p.add_argument("--recompute", default="",
                    help="comma-separated budgets (0.1 = 10%% of the context) of switches that "
-                   "recompute fact-like words")
+                   "recompute fact-like words; 'default': the translator file's own")
     p.add_argument("--recompute-max", type=int, default=0,
                    help="the most positions each recompute budget may come to (0: no limit)")
     p.add_argument("--oracle", action="store_true",
@@ -60,7 +60,9 @@ def main(argv=None):
     items = recall_items(heldout_filler(), args.items, args.tokens,
                          lambda text: len(ttok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed)
-    budgets = [float(b) for b in args.recompute.split(",") if b]
+    budgets = [None if b == "default" else float(b) for b in args.recompute.split(",") if b]
+    if args.session and None in budgets:
+        p.error("--session takes shares; a session's default is twice its files' share")
     if args.session:
         reverse = translator_for(args.target, args.source, args.reverse_translator)
         result = measure_session_recall(

@@ -133,6 +133,23 @@ def test_an_exact_switch_scores_as_the_native_prefill():
     assert "| switch |" in format_table(result)
 
 
+def test_a_default_setting_switches_with_the_translators_own_budget(monkeypatch):
+    """recompute=[None]: the translator file's default budget (share, cap and
+    reserve), under its own name."""
+    import mlx_kvlingo.measure.recall as recall
+
+    m = tiny_model("qwen3")
+    tok = WordTokenizer()
+    items = recall_items(FILLER, 1, 120, words, seed=1)
+    t = identity_translator(m, tok)
+    asked, switch_state = [], recall.switch_state
+    monkeypatch.setattr(recall, "switch_state", lambda *a: asked.append(a[-2:]) or switch_state(*a))
+    result = measure_recall(m, tok, m, tok, t, items, truncations=(8,), recompute=[None, 0.2],
+                            recompute_max=7, log=lambda s: None)
+    assert recall.DEFAULT_RECOMPUTE in result.scores and recompute_setting(0.2, 7) in result.scores
+    assert asked == [(0.0, 7), (None, None), (0.2, 7)]
+
+
 def test_a_rerun_resumes_from_the_checkpoint(tmp_path):
     """Scored items are appended to the checkpoint; a rerun restores them instead of
     scoring them again, and scores only the items the file lacks."""

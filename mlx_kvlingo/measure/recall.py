@@ -41,6 +41,7 @@ from .bootstrap import Interval, mean_interval, paired_mean_difference
 
 NATIVE, SWITCH, NONE, EQUAL_TIME = "native", "switch", "none", "equal-time"
 ORACLE = "switch + recompute the fact (oracle)"
+DEFAULT_RECOMPUTE = "switch + default recompute"  # the translator file's budget
 DEFAULT_TRUNCATIONS = (16, 64, 128, 256)
 
 
@@ -172,10 +173,11 @@ def read_source(source: nn.Module, source_tokenizer, translator: Translator, pro
 
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
                  translator: Translator, prompt: str, native_tail: Optional[int] = None,
-                 read=None, recompute: float = 0.0, recompute_max: int = 0) -> SwitchResult:
+                 read=None, recompute: Optional[float] = 0.0,
+                 recompute_max: Optional[int] = 0) -> SwitchResult:
     """The switch, from what the source holds (``read``, from :func:`read_source`;
-    read now, not timed, when not given), recomputing exactly the budget given (not
-    the translator's default)."""
+    read now, not timed, when not given), recomputing exactly the budget given
+    (None: the translator's default)."""
     source_cache, source_tokens = read or read_source(source, source_tokenizer, translator,
                                                       prompt)
     if translator.cross_tokenizer:
@@ -205,7 +207,10 @@ def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List
     return [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
 
 
-def recompute_setting(budget: float, most: int = 0) -> str:
+def recompute_setting(budget: Optional[float], most: int = 0) -> str:
+    """A recompute setting's name (``budget`` None: the translator's default budget)."""
+    if budget is None:
+        return DEFAULT_RECOMPUTE
     cap = f" (at most {most})" if most else ""
     return f"switch + recompute {budget:.0%}{cap}"
 
@@ -251,7 +256,7 @@ def measure_recall(
     source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
     translator: Translator, items: Sequence[RecallItem],
     truncations: Sequence[int] = DEFAULT_TRUNCATIONS, native_tail: Optional[int] = None,
-    recompute: Sequence[float] = (), oracle: bool = False,
+    recompute: Sequence[Optional[float]] = (), oracle: bool = False,
     log: Callable[[str], None] = print, source_name: str = "source",
     target_name: str = "target", checkpoint: Optional[Union[str, Path]] = None,
     recompute_max: int = 0,
@@ -300,7 +305,7 @@ def measure_recall(
         for setting, share, select in choices:
             state = switch_state(source, source_tokenizer, target, target_tokenizer,
                                  translator, item.prompt, native_tail, read, share,
-                                 recompute_max)
+                                 None if share is None else recompute_max)
             if select is not None:
                 state.deferred = select(len(ids) - state.pending.size)
                 state.context = list(ids)
