@@ -17,20 +17,26 @@ import sys
 
 from pathlib import Path
 
+from mlx_kvlingo.measure.recall import DEFAULT_RECOMPUTE
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import translator_for
+from mlx_kvlingo.switching.api import RecomputeBudget
 from mlx_kvlingo.switching.recompute import salient_spans
 from mlx_kvlingo.translator.align import tokenize_with_offsets
 
 
-def prefix_and_tail(run: dict):
-    """The native prefix and tail of the run's translator (the shipped one's, or the
-    file's while it exists; else 1 and 16, what every translator here uses)."""
+def run_translator(run: dict):
+    """The run's translator (the shipped one, or its file while it exists; else None)."""
     path = None if run.get("translator", "shipped") == "shipped" else Path(run["translator"])
     if path is not None and not path.is_file():
-        return 1, 16
-    spec = translator_for(run["source"], run["target"], path).spec
-    return spec.native_prefix, spec.native_tail
+        return None
+    return translator_for(run["source"], run["target"], path)
+
+
+def prefix_and_tail(translator):
+    """Its native prefix and tail (without it, 1 and 16: what every translator here uses)."""
+    return (1, 16) if translator is None else (translator.spec.native_prefix,
+                                              translator.spec.native_tail)
 
 
 def answer_positions(item: dict, offsets) -> list:
@@ -44,20 +50,30 @@ def answer_positions(item: dict, offsets) -> list:
 _BUDGET = re.compile(r"switch \+ recompute (\d+)%(?: \(at most (\d+)\))?")
 
 
+def budgets(run: dict, translator) -> dict:
+    """Each recompute setting of the run -> its RecomputeBudget (the translator's own
+    for the default setting, when its file is at hand)."""
+    out = {}
+    for setting in run["scores"]:
+        m = _BUDGET.fullmatch(setting)
+        if m:
+            out[setting] = RecomputeBudget(int(m.group(1)) / 100, int(m.group(2) or 0))
+        elif setting == DEFAULT_RECOMPUTE and translator is not None:
+            out[setting] = RecomputeBudget.of(translator)
+    return out
+
+
 def coverage(run: dict, tokenizer) -> str:
-    budgets = [k for k in run["scores"] if _BUDGET.fullmatch(k)]
-    lo, tail = prefix_and_tail(run)
+    translator = run_translator(run)
+    lo, tail = prefix_and_tail(translator)
     lines = [f"## {run['source']} -> {run['target']}, ~{run.get('tokens', '?')} tokens, "
              f"{len(run['items'])} items", ""]
-    for setting in budgets:
-        m = _BUDGET.fullmatch(setting)
-        share, most = int(m.group(1)) / 100, int(m.group(2) or 0)
+    for setting, budget in budgets(run, translator).items():
         table = {}
         for i, item in enumerate(run["items"]):
             prompt = item["context"] + item["cue"]
             ids, offsets = tokenize_with_offsets(tokenizer, prompt)
-            budget = int(share * len(ids))
-            spans = salient_spans(prompt, offsets, min(budget, most) if most else budget, lo,
+            spans = salient_spans(prompt, offsets, budget.positions(len(ids)), lo,
                                   len(ids) - 1 - tail)
             chosen = {p for a, b in spans for p in range(a, b)}
             covered = all(p in chosen for p in answer_positions(item, offsets))

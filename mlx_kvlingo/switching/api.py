@@ -274,7 +274,7 @@ class RecomputeBudget:
 
     def positions(self, n: int) -> int:
         """The positions it allows in an n-token context."""
-        count = max(int(self.share * n) - self.reserve, 0) if self.share else 0
+        count = max(int(self.share * n) - self.reserve, 0)
         return min(count, self.most) if self.most else count
 
 
