@@ -191,7 +191,7 @@ def test_switch_text_leaves_the_native_tail_in_target_tokens(tokenizers):
     t = Translator.for_models(src, tgt, stok, ttok)
     ids = ttok(TEXT)["input_ids"]
     r = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=4)
-    assert r.pending.tolist() == ids[-5:] and cache_length(r.cache) == len(ids) - 5
+    assert r.pending.tolist() == ids[-5:] and cache_length(r._cache) == len(ids) - 5
     r = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=len(ids))
     _, logprobs = first_step(tgt, r)
     native = tgt(mx.array(ids)[None])[0, -1]
@@ -213,12 +213,12 @@ def test_switch_text_with_the_sources_tokenization_given_is_the_same_switch(toke
     plain = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache)
     given = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
                         source_tokens=tokenized)
-    keys = [cache_features(tgt, r.cache)[0] for r in (plain, given)]
+    keys = [cache_features(tgt, r._cache)[0] for r in (plain, given)]
     assert all(mx.array_equal(a, b) for a, b in zip(*keys))
     shifted = (tokenized[0], [(0, 1)] * len(tokenized[1]))  # every target token -> source 0
     other = switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=source_cache,
                         source_tokens=shifted)
-    assert not mx.array_equal(cache_features(tgt, other.cache)[0][1], keys[0][1])
+    assert not mx.array_equal(cache_features(tgt, other._cache)[0][1], keys[0][1])
 
 
 
@@ -245,7 +245,7 @@ def test_switch_text_builds_the_cache_the_general_path_builds(tokenizers, native
     end = len(a.target_tokens) - 1
     slow = translate_aligned(src, tgt, t, source_cache, make_prompt_cache(tgt), a, end,
                              native_tail=0)
-    for c, d in zip(r.cache, slow):
+    for c, d in zip(r._cache, slow):
         (fk, fv, fs), (sk, sv, ss) = read_layer(c), read_layer(d)
         assert fs == ss and fk.shape == sk.shape
         assert mx.abs(fk - sk).max().item() < 1e-4 and mx.abs(fv - sv).max().item() < 1e-4

@@ -40,8 +40,8 @@ def test_recomputing_a_native_cache_changes_nothing(arch):
     ids = tokens(21, seed=1)
     exact = switch(m, m, identity_translator(m), ids, native_tail=0)
     expected = switch(m, m, identity_translator(m), ids, native_tail=0)
-    recompute_spans(m, exact.cache, ids, [(3, 7), (12, 15)])
-    assert caches_close(exact.cache, expected.cache)
+    recompute_spans(m, exact._cache, ids, [(3, 7), (12, 15)])
+    assert caches_close(exact._cache, expected._cache)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -53,11 +53,11 @@ def test_recomputing_every_position_makes_a_broken_translation_native(arch):
     ids = tokens(21, seed=2)
     broken = switch(m, m, identity_translator(m, scale=0.0), ids, native_tail=0)
     native = switch(m, m, identity_translator(m), ids, native_tail=0)
-    assert not caches_close(broken.cache, native.cache)
-    recompute_spans(m, broken.cache, ids, [(1, 20)])
-    assert caches_close(broken.cache, native.cache)
+    assert not caches_close(broken._cache, native._cache)
+    recompute_spans(m, broken._cache, ids, [(1, 20)])
+    assert caches_close(broken._cache, native._cache)
     last = mx.array([ids[-1:]])
-    got, want = m(last, cache=broken.cache), m(last, cache=native.cache)
+    got, want = m(last, cache=broken._cache), m(last, cache=native._cache)
     assert mx.abs(got - want).max().item() < 1e-3
 
 
@@ -75,11 +75,11 @@ def test_a_long_recompute_pass_takes_the_cpu_attention_and_stays_exact(arch, mon
     attention = cpu_math.attention
     monkeypatch.setattr(cpu_math, "attention",
                         lambda *a, **k: calls.append(a[0].shape) or attention(*a, **k))
-    recompute_spans(m, broken.cache, ids, [(1, 20), (20, 59)])
+    recompute_spans(m, broken._cache, ids, [(1, 20), (20, 59)])
     assert calls and all(shape[1] * shape[2] * 60 >= 1024 for shape in calls)
-    assert caches_close(broken.cache, native.cache)
+    assert caches_close(broken._cache, native._cache)
     last = mx.array([ids[-1:]])
-    got, want = m(last, cache=broken.cache), m(last, cache=native.cache)
+    got, want = m(last, cache=broken._cache), m(last, cache=native._cache)
     assert mx.abs(got - want).max().item() < 1e-3
 
 
@@ -91,9 +91,9 @@ def test_spans_recomputed_in_one_pass_equal_one_after_the_other(arch):
     m = model(arch)
     ids = tokens(30, seed=5)
     spans = [(2, 5), (9, 16), (20, 22)]
-    together = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
-    in_turn = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
-    untouched = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0).cache
+    together = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0)._cache
+    in_turn = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0)._cache
+    untouched = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=0)._cache
     recompute_spans(m, together, ids, spans)
     for span in spans:
         recompute_spans(m, in_turn, ids, [span])
@@ -112,16 +112,16 @@ def test_a_recompute_folded_into_the_next_read_equals_recompute_then_read(arch):
     apart = switch(m, m, identity_translator(m, scale=0.5), ids, native_tail=4)
     pending = folded.pending.tolist()
     assert len(pending) == 5
-    got = recompute_and_read(m, folded.cache, ids, spans, pending, keep=3)
-    recompute_spans(m, apart.cache, ids, spans)
-    want = m(mx.array([pending]), cache=apart.cache)[:, -3:]
+    got = recompute_and_read(m, folded._cache, ids, spans, pending, keep=3)
+    recompute_spans(m, apart._cache, ids, spans)
+    want = m(mx.array([pending]), cache=apart._cache)[:, -3:]
     assert got.shape == want.shape
     assert mx.abs(got - want).max().item() < 1e-3
-    assert caches_close(folded.cache, apart.cache)
-    assert all(c.offset == len(ids) for c in folded.cache)
+    assert caches_close(folded._cache, apart._cache)
+    assert all(c.offset == len(ids) for c in folded._cache)
 
 
-def test_a_deferred_recompute_is_done_by_the_first_step_or_by_settle(toy_pair):
+def test_a_deferred_recompute_is_done_by_the_first_step_or_by_prompt_cache(toy_pair):
     """switch(recompute=...) leaves its chosen positions deferred; the first step
     does them in its pass (same token and log-probabilities as settling them
     first, then stepping), and a settled result has nothing left deferred."""
@@ -137,12 +137,13 @@ def test_a_deferred_recompute_is_done_by_the_first_step_or_by_settle(toy_pair):
     assert runs[0].deferred and runs[0].context
     token, logprobs = first_step(src, runs[0])
     assert not runs[0].deferred
-    runs[1].settle(src)
+    settled = runs[1].prompt_cache
     assert not runs[1].deferred
-    token2, logprobs2 = first_step(src, runs[1])
-    assert token == token2
+    logits = src(runs[1].prompt[None], cache=settled)[0, -1]
+    logprobs2 = logits - mx.logsumexp(logits)
+    assert token == int(mx.argmax(logprobs2).item())
     assert mx.abs(logprobs - logprobs2).max().item() < 1e-3
-    assert caches_close(runs[0].cache, runs[1].cache)
+    assert caches_close(runs[0].cache, settled)
 
 
 def test_overlapping_spans_are_refused():
@@ -150,7 +151,7 @@ def test_overlapping_spans_are_refused():
     ids = tokens(12)
     result = switch(m, m, identity_translator(m), ids, native_tail=0)
     with pytest.raises(KvlingoError, match="overlap"):
-        recompute_spans(m, result.cache, ids, [(2, 6), (5, 8)])
+        recompute_spans(m, result._cache, ids, [(2, 6), (5, 8)])
 
 
 def test_spans_are_checked():
@@ -158,7 +159,7 @@ def test_spans_are_checked():
     ids = tokens(12)
     result = switch(m, m, identity_translator(m), ids, native_tail=0)
     with pytest.raises(KvlingoError, match="Cannot recompute"):
-        recompute_spans(m, result.cache, ids, [(5, 40)])
+        recompute_spans(m, result._cache, ids, [(5, 40)])
 
 
 def test_positions_become_merged_spans():
@@ -175,8 +176,8 @@ def test_a_span_older_than_the_window_sees_only_itself_in_sliding_layers():
     full-attention layer's rows change. Later positions are still exact."""
     m = tiny_model("gemma3_text")
     ids = tokens(21, seed=3)
-    cache = switch(m, m, identity_translator(m), ids, native_tail=0).cache
-    native = switch(m, m, identity_translator(m), ids, native_tail=0).cache
+    cache = switch(m, m, identity_translator(m), ids, native_tail=0)._cache
+    native = switch(m, m, identity_translator(m), ids, native_tail=0)._cache
     recompute_spans(m, cache, ids, [(3, 7)])
     for c, n, window in zip(cache, native, [8, 8, None, 8, 8, None]):
         k, _, first = read_layer(c)
@@ -210,7 +211,7 @@ def test_a_switch_translates_the_rows_an_old_span_reads_in_sliding_layers(layer0
     assert all(lo == 0 and k.shape[2] == 12 for lo, k, _ in result.history.values())
     result.deferred, result.context = [(3, 7)], ids
     got, want = result.read(m), native.read(m)
-    assert caches_close(result.cache, native.cache)
+    assert caches_close(result._cache, native._cache)
     assert result.history == {}  # read once, then dropped
     assert mx.abs(got - want).max().item() < 1e-3
     def since(p):
@@ -321,13 +322,16 @@ def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
     text = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. "
             "Nothing else of note happened that day, and the file was closed again.")
     plain = switch_text(src, stok, src, stok, t, text, native_tail=0)
-    fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5).settle(src)
-    assert caches_close(plain.cache, fixed.cache)
+    fixed = switch_text(src, stok, src, stok, t, text, native_tail=0, recompute=0.5,
+                        select="lexical")
+    fixed.prompt_cache
+    assert caches_close(plain._cache, fixed._cache)
 
     zero = identity_translator(src, stok, scale=0.0)
     broken = switch_text(src, stok, src, stok, zero, text, native_tail=0)
     repaired = switch_text(src, stok, src, stok, zero, text, native_tail=0,
-                           recompute=0.5).settle(src)
+                           recompute=0.5, select="lexical")
+    repaired.prompt_cache
     ids, offsets = tokenize_with_offsets(stok, text)
     spans = salient_spans(text, offsets, int(0.5 * len(ids)), 1, len(ids) - 1)
     assert spans
@@ -335,13 +339,13 @@ def test_switch_recomputes_fact_like_words_when_asked(toy_pair):
     others = [p for p in range(1, len(ids) - 1) if p not in chosen]
     # Layer 0's keys depend on nothing before them: recomputed rows are the
     # target's own exactly; the others keep the broken translation (zeros).
-    k_fixed, k_native, k_broken = (read_layer(c.cache[0])[0] for c in (repaired, plain, broken))
+    k_fixed, k_native, k_broken = (read_layer(c._cache[0])[0] for c in (repaired, plain, broken))
     assert mx.abs(k_fixed[:, :, chosen] - k_native[:, :, chosen]).max().item() < 1e-4
     assert mx.abs(k_fixed[:, :, others] - k_broken[:, :, others]).max().item() < 1e-6
     assert mx.abs(k_native[:, :, chosen]).max().item() > 0.1
     ids = tokenize_with_offsets(stok, text)[0]
     with pytest.raises(KvlingoError, match="needs the context's text"):
-        switch(src, src, t, ids, recompute=0.2)
+        switch(src, src, t, ids, recompute=0.2, select="lexical")
     with pytest.raises(KvlingoError, match="share of the context"):
         switch_text(src, stok, src, stok, t, text, recompute=1.5)
 
@@ -387,7 +391,8 @@ def test_a_recompute_budget_is_a_share_up_to_a_cap_and_defaults_to_the_translato
     """RecomputeBudget: a share of the context's positions, at most ``most``; a
     switch without a budget of its own recomputes the translator's default
     (spec.recompute, spec.recompute_max), one given overrides it (0: none), and a
-    switch from token ids alone (no text to find words in) skips the default."""
+    switch from token ids alone (no text to find words in) lets the question choose
+    all of it; a lexical choice needs the text."""
     from mlx_kvlingo.switching.api import RecomputeBudget, switch_text
     from mlx_kvlingo.translator.align import tokenize_with_offsets
 
@@ -408,7 +413,10 @@ def test_a_recompute_budget_is_a_share_up_to_a_cap_and_defaults_to_the_translato
     assert chosen(recompute_max=0) > 4
     assert chosen(recompute=0.0) == 0
     ids = tokenize_with_offsets(stok, text)[0]
-    assert switch(src, src, t, ids, native_tail=0).deferred == []
+    from_ids = switch(src, src, t, ids, native_tail=0).deferred
+    assert 0 < sum(b - a for a, b in from_ids) <= 4
+    with pytest.raises(KvlingoError, match="needs the context's text"):
+        switch(src, src, t, ids, native_tail=0, select="lexical")
     with pytest.raises(KvlingoError, match="number of positions"):
         switch_text(src, stok, src, stok, t, text, recompute_max=-2)
 

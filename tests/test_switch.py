@@ -24,8 +24,8 @@ def test_stream_generate_after_exact_switch_equals_full_prefill(toy_pair):
     t = identity_translator(tgt, tok)
     tokens = tok.encode("Return the sum of the items of the iterable, or start if empty.")
     result = switch(tgt, tgt, t, tokens)
-    assert cache_length(result.cache) == len(tokens) - 1
-    assert result.last_token.tolist() == tokens[-1:]
+    assert cache_length(result._cache) == len(tokens) - 1
+    assert result.prompt[-1:].tolist() == tokens[-1:]
     switched = [r.token for r in generate_after_switch(tgt, tok, result, max_tokens=12)]
     native = [r.token for r in stream_generate(tgt, tok, mx.array(tokens), max_tokens=12)]
     assert switched == native and len(native) == 12
@@ -42,8 +42,8 @@ def test_switch_uses_the_given_source_cache(toy_pair):
     tokens, other = tokens[:n], other[:n]
     own = switch(tgt, tgt, t, tokens, source_cache=prefill(tgt, tokens[None, :-1]))
     wrong = switch(tgt, tgt, t, tokens, source_cache=prefill(tgt, other[None, :-1]))
-    a = tgt(own.last_token[None], cache=own.cache)
-    b = tgt(wrong.last_token[None], cache=wrong.cache)
+    a = tgt(own.prompt[-1:][None], cache=own._cache)
+    b = tgt(wrong.prompt[-1:][None], cache=wrong._cache)
     assert mx.abs(a - b).max().item() > 1e-2
 
 
@@ -187,7 +187,7 @@ def test_native_tail_with_an_exact_translator_equals_a_native_prefill(arch):
     native = m(tokens)[0, -1]
     for tail in (0, 1, 6, 19, 40):
         result = switch(m, m, t, tokens, native_tail=tail)
-        assert cache_length(result.cache) + result.pending.size == 20
+        assert cache_length(result._cache) + result.pending.size == 20
         assert result.pending.size == min(tail, 19) + 1
         token, logprobs = first_step(m, result)
         assert token == mx.argmax(native).item()
@@ -208,7 +208,7 @@ def test_a_native_tail_of_the_whole_context_is_a_native_prefill():
     t = _random_translator(m, m)
     tokens = mx.random.randint(0, 97, (1, 16), key=mx.random.key(6))
     result = switch(m, m, t, tokens, native_tail=15)
-    assert cache_length(result.cache) == 0 and result.pending.size == 16
+    assert cache_length(result._cache) == 0 and result.pending.size == 16
     _, logprobs = first_step(m, result)
     native = m(tokens)[0, -1]
     assert mx.abs(logprobs - (native - mx.logsumexp(native))).max().item() < 1e-4
@@ -294,7 +294,7 @@ def test_generate_after_switch_streams_what_mlx_lm_streams(toy_pair, tail):
                    {"max_tokens": 5, "logits_processors": make_logits_processors(repetition_penalty=1.3)}):
         ours = list(generate_after_switch(tgt, ttok, switch(src, tgt, t, tokens, native_tail=tail), **kwargs))
         r = switch(src, tgt, t, tokens, native_tail=tail)
-        theirs = list(stream_generate(tgt, ttok, r.pending, prompt_cache=r.cache, **kwargs))
+        theirs = list(stream_generate(tgt, ttok, r.pending, prompt_cache=r._cache, **kwargs))
         assert [(x.token, x.text, x.finish_reason) for x in ours] == [
             (x.token, x.text, x.finish_reason) for x in theirs]
         assert ours[-1].generation_tokens == theirs[-1].generation_tokens
@@ -318,7 +318,7 @@ def test_switch_runs_on_worker_threads():
     def work():
         try:
             r = switch(m, m, t, tokens)
-            out["diff"] = max(mx.abs(a.keys - b.keys).max().item() for a, b in zip(r.cache, here.cache))
+            out["diff"] = max(mx.abs(a.keys - b.keys).max().item() for a, b in zip(r._cache, here._cache))
         finally:
             finish_thread()
 
@@ -349,7 +349,7 @@ def test_a_switch_holds_at_most_one_layer_of_intermediates():
     mx.reset_peak_memory()
     result = switch(model, model, t, tokens, source_cache=source_cache)
     extra = mx.get_peak_memory() - active
-    cache = sum(c.keys.nbytes + c.values.nbytes for c in result.cache)
+    cache = sum(c.keys.nbytes + c.values.nbytes for c in result._cache)
     # One layer: K and V source features and K and V map outputs, float32.
     layer = 4 * 1024 * (2 * t.k_maps[0].weight.shape[1] + 2 * t.k_maps[0].weight.shape[0])
     assert extra <= cache + layer, (extra - cache) / layer

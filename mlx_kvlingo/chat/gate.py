@@ -154,17 +154,16 @@ def judge_switch(target: nn.Module, result, context_tokens: Sequence[int],
     if len(tail) < 2:
         return result, None
     t0 = time.perf_counter()
-    result.settle(target)  # the gate reads the cache as the answer will
+    cache = result.prompt_cache  # the gate reads the cache as the answer will
     if len(tail) > gate.tokens:  # the part of the tail the gate does not score
-        prefill(target, mx.array(tail[:-gate.tokens])[None], result.cache)
+        prefill(target, mx.array(tail[:-gate.tokens])[None], cache)
         tail = tail[-gate.tokens:]
-    decision = gate.judge(target, result.cache, tail, specials, translators)
-    cache = result.cache
+    decision = gate.judge(target, cache, tail, specials, translators)
     if decision.fallback:
         cache = prefill(target, mx.array(list(context_tokens[:-1]))[None])
         mx.eval([(c.keys, c.values) for c in cache])
     spent = time.perf_counter() - t0
-    return SwitchResult(cache, result.pending[-1:], result.translate_s + spent), decision
+    return SwitchResult(cache, result.pending[-1:], result.translate_s + spent, target), decision
 
 
 # ---------------------------------------------------------------------------
@@ -230,11 +229,12 @@ def guard_facts(target: nn.Module, result: SwitchResult, tokens: Sequence[int], 
     context (``offsets``: their characters in ``text``). Returns (the result to
     decode from, FactGateDecision)."""
     t0 = time.perf_counter()
-    result.settle(target)  # probe the cache as the answer will read it
-    probe = probe_facts(target, result.cache, tokens, text, offsets, lo=lo)
-    action, cache = "kept", result.cache
+    pending = result.prompt
+    cache = result.prompt_cache  # probe the cache as the answer will read it
+    probe = probe_facts(target, cache, tokens, text, offsets, lo=lo)
+    action = "kept"
     if probe is not None and probe.nll > threshold:
-        end = len(tokens) - len(result.pending)
+        end = len(tokens) - len(pending)
         if recompute:
             spans = salient_spans(text, offsets, int(recompute * len(tokens)), lo, end)
             recompute_spans(target, cache, tokens, spans)
@@ -245,4 +245,4 @@ def guard_facts(target: nn.Module, result: SwitchResult, tokens: Sequence[int], 
             action = "re-prefilled"
     spent = time.perf_counter() - t0
     decision = FactGateDecision(probe, threshold, action, spent * 1e3)
-    return SwitchResult(cache, result.pending, result.translate_s + spent), decision
+    return SwitchResult(cache, pending, result.translate_s + spent, target), decision

@@ -31,7 +31,7 @@ import numpy as np
 from ..chat.gate import probe_facts
 from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
-from ..models.cache import cache_length, prefill
+from ..models.cache import prefill
 from ..models.load import load_pair
 from ..switching.api import SwitchResult, switch, switch_text
 from ..switching.recompute import merge_spans
@@ -129,7 +129,7 @@ def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: S
     greedy answer, timed from ``state.translate_s`` seconds already spent, and the
     answer's teacher-forced NLL read on a copy of the state."""
     forced = state.copy()
-    read = state.pending.size + cache_length(state.cache)
+    read = state.context_length
     t0 = time.perf_counter()
     logits = state.read(target)[:, -1]
     token = int(mx.argmax(logits, axis=-1).item())
@@ -310,7 +310,7 @@ def measure_recall(
                 state.deferred = select(len(ids) - state.pending.size)
                 state.context = list(ids)
             # The probe reads the cache as the answer will: recomputed, on a copy.
-            probed = state.copy().settle(target).cache
+            probed = state.copy().prompt_cache
             probe = probe_facts(target, probed, ids, item.prompt, offsets,
                                 lo=translator.spec.native_prefix)
             score = score_state(target, target_tokenizer, state, answer, item.answer)

@@ -19,7 +19,8 @@ from ..models.cache import copy_cache, prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
 from .kernel import EarlyLayer, History, map_early_layer, translate_into
-from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
+from .query import MIN_QUESTION, question_scores, question_spans
+from .recompute import Span, recompute_and_read, recompute_spans, salient_spans, token_offsets
 
 
 def as_batch(tokens) -> mx.array:
@@ -109,77 +110,173 @@ def translate_cache(
     source_cache: List,
     tokens,
     length: Optional[int] = None,
-    native_tail: Optional[int] = 0,
+    native_tail: Optional[int] = None,
+    recompute: Optional[float] = None,
+    recompute_max: Optional[int] = None,
+    select: Optional[str] = None,
+    tokenizer=None,
 ) -> List:
-    """A fresh target prompt cache for ``tokens[:length]`` from a source cache that has
-    processed at least ``length`` tokens (``length`` defaults to ``len(tokens) - 1``,
-    leaving the last token for the target's own decoding step). ``native_tail``: as
-    in :func:`translate_aligned`."""
+    """A complete target prompt cache for ``tokens[:length]`` from a source cache
+    that holds at least those (``length`` defaults to ``len(tokens) - 1``, leaving
+    the last token for the target's first step, as mlx-lm's ``generate`` expects):
+    the switch :func:`switch` makes, with the same defaults (native tail and
+    recompute), its prompt read but for the tokens from ``length`` on."""
     tokens = as_batch(tokens)
     length = tokens.shape[1] - 1 if length is None else length
-    alignment = identity_alignment(tokens[0].tolist(), translator.spec.native_prefix)
-    return translate_aligned(source, target, translator, source_cache, None, alignment,
-                             length, tokens, native_tail=native_tail)
+    if not 1 <= length <= tokens.shape[1]:
+        raise KvlingoError(f"length must be in 1..{tokens.shape[1]}, not {length}.")
+    if length < 2:  # nothing to translate: the target reads it itself
+        return prefill(target, tokens[:, :length])
+    # The switch of tokens[:length + 1] leaves its last m + 1 positions to the target;
+    # this cache ends one token earlier, so its last m are the target's own (the last
+    # one at least).
+    m = resolve_native_tail(translator, native_tail)
+    result = switch(source, target, translator, tokens[:, :length], source_cache,
+                    max(m - 1, 0), recompute, recompute_max=recompute_max, select=select,
+                    tokenizer=tokenizer)
+    return result.read_all()
 
 
 def translate_context(
     source: nn.Module, target: nn.Module, translator: Translator, tokens,
-    native_tail: Optional[int] = None,
+    native_tail: Optional[int] = None, tokenizer=None,
 ) -> List:
-    """Prefill the source on ``tokens[:-1]`` and translate its cache for the target;
-    the last ``native_tail`` positions of it (default: the translator's
-    ``spec.native_tail``) are computed by the target itself."""
+    """Prefill the source on ``tokens[:-1]`` and switch its cache to the target: a
+    complete target prompt cache of ``tokens[:-1]`` (:func:`translate_cache`), to
+    be continued with ``tokens[-1:]``."""
     tokens = as_batch(tokens)
     source_cache = prefill(source, tokens[:, :-1])
     return translate_cache(source, target, translator, source_cache, tokens,
-                           native_tail=resolve_native_tail(translator, native_tail))
+                           native_tail=native_tail, tokenizer=tokenizer)
 
 
 @dataclass
 class SwitchResult:
-    cache: List  # target prompt cache holding the context but its `pending` tokens
+    """A context handed over to the target, before the target has read all of it.
+
+    Use it as mlx-lm uses a prompt cache: ``prompt`` are the tokens the target still
+    reads (the native tail, if any, and the context's last token), ``prompt_cache``
+    the cache of everything before them, complete (the recompute the switch chose
+    is done on first access). So ::
+
+        mlx_lm.stream_generate(target, tokenizer, result.prompt,
+                               prompt_cache=result.prompt_cache)
+
+    generates what :func:`~.generate.generate_after_switch` generates (which reads
+    ``prompt`` and does the recompute in one pass: the faster way). A result is
+    read once: after ``prompt_cache`` or :meth:`read` it refuses a second read
+    (:meth:`copy` first to read it twice); after :meth:`read`, ``cache`` holds the
+    whole context and what was read."""
+
+    _cache: List
     # What the target reads in its first step: the native tail (if any), then the
     # context's last token. Cache + pending = the whole context.
     pending: mx.array
-    translate_s: float  # building `cache` (source cache given; alignment included)
-    # Positions of `cache` the target recomputes itself (switch(recompute=...)), not
-    # done yet: the target's first pass over `pending` does them too (read), one pass
-    # over its weights instead of two. `context`: the target's tokens of the whole
-    # context, which those positions are read from.
+    translate_s: float  # building the cache (source cache given; alignment, choice included)
+    target: Optional[nn.Module] = None
+    # Positions of the cache the target recomputes itself, not done yet: the
+    # target's first pass over ``pending`` does them too (read), one pass over its
+    # weights instead of two. ``context``: the target's tokens of the whole context,
+    # which those positions are read from.
     deferred: List[Span] = field(default_factory=list)
     context: Optional[List[int]] = None
     # Rows older than a sliding-window layer keeps that the deferred recompute reads
     # (kernel.History.layers: layer -> (first position, keys, values)).
     history: dict = field(default_factory=dict)
+    _state: str = "fresh"  # "fresh", then "read" or "handed over"
 
     @property
-    def last_token(self) -> mx.array:
-        """The context's last token."""
-        return self.pending[-1:]
+    def prompt(self) -> mx.array:
+        """The tokens the target still reads, after ``prompt_cache``."""
+        return self.pending
 
-    def read(self, target: nn.Module, extra: Sequence[int] = (), keep: int = 1) -> mx.array:
-        """The target's first pass: it reads ``pending`` (then ``extra``), the
-        deferred recompute folded in. Returns the logits [1, keep, vocab] of the
-        last ``keep`` tokens read; the cache then holds them all."""
-        inputs = self.pending.tolist() + list(extra)
-        logits = recompute_and_read(target, self.cache, self.context or [], self.deferred,
-                                    inputs, keep, self.history)
+    @property
+    def prompt_cache(self) -> List:
+        """The target's cache of the context but ``prompt``, with the switch's
+        recompute done: hand both to mlx-lm. Once only (see the class)."""
+        self._take("prompt_cache")
+        if self.deferred:
+            recompute_spans(self._target(None), self._cache, self.context, self.deferred,
+                            self.history)
         self.deferred, self.history = [], {}
+        self._state = "handed over"
+        return self._cache
+
+    @property
+    def cache(self) -> List:
+        """The target's cache after :meth:`read` (the whole context, and what was
+        read). Before it, the cache lacks ``prompt``: use ``prompt_cache``."""
+        if self._state != "read":
+            raise KvlingoError(
+                "SwitchResult.cache is not the whole context until the target has read "
+                "its prompt: pass result.prompt with prompt_cache=result.prompt_cache to "
+                "mlx-lm, or use generate_after_switch.")
+        return self._cache
+
+    @property
+    def context_length(self) -> int:
+        """Positions of the whole context: the cache's and the prompt's."""
+        return min(c.offset for c in self._cache) + self.pending.size
+
+    def read(self, target: Optional[nn.Module] = None, extra: Sequence[int] = (),
+             keep: int = 1) -> mx.array:
+        """The target's first pass: it reads ``prompt`` (then ``extra``), the
+        recompute folded in. Returns the logits [1, keep, vocab] of the last
+        ``keep`` tokens read; ``cache`` then holds them all. Once only."""
+        self._take("read")
+        inputs = self.pending.tolist() + list(extra)
+        logits = recompute_and_read(self._target(target), self._cache, self.context or [],
+                                    self.deferred, inputs, keep, self.history)
+        self.deferred, self.history, self._state = [], {}, "read"
         return logits
+
+    def read_all(self, target: Optional[nn.Module] = None) -> List:
+        """The target reads its whole prompt (recompute folded in): returns the
+        complete cache of the context (no logits). Once only."""
+        self._take("read")
+        self._state = "read"
+        recompute_and_read(self._target(target), self._cache, self.context or [],
+                           self.deferred, self.pending.tolist(), keep=1, history=self.history)
+        self.deferred, self.history = [], {}
+        return self._cache
 
     def copy(self) -> "SwitchResult":
         """An independent copy (the cache's arrays copied): reading one leaves the
-        other as it was."""
-        return SwitchResult(copy_cache(self.cache), self.pending, self.translate_s,
-                            list(self.deferred), self.context, dict(self.history))
+        other as it was. Only of a result not read yet."""
+        self._take("copy")
+        return SwitchResult(copy_cache(self._cache), self.pending, self.translate_s,
+                            self.target, list(self.deferred), self.context,
+                            dict(self.history))
 
-    def settle(self, target: nn.Module) -> "SwitchResult":
-        """Do the deferred recompute now, in a pass of its own: for callers that
-        read ``cache`` themselves (a gate, mlx-lm's own generation loop)."""
-        if self.deferred:
-            recompute_spans(target, self.cache, self.context, self.deferred, self.history)
-            self.deferred, self.history = [], {}
-        return self
+    def _take(self, what: str):
+        if self._state != "fresh":
+            raise KvlingoError(
+                f"This switch result was already {self._state}: its prompt would be fed "
+                f"twice. Call result.copy() before reading a result twice ({what}).")
+
+    def _target(self, target: Optional[nn.Module]) -> nn.Module:
+        target = target if target is not None else self.target
+        if target is None:
+            raise KvlingoError("This switch result does not know its target model: pass it.")
+        return target
+
+
+# How a switch chooses the positions its target recomputes (``spec.recompute_select``,
+# or ``select=``): "question" (the default): the positions the question reads
+# (switching.query), with the fact-like words; "lexical": the fact-like words only
+# (switching.recompute.salient_words).
+SELECTIONS = ("question", "lexical")
+# With "question", the fact-like words may take at most this share of the budget;
+# the question's choice fills the rest.
+LEXICAL_SHARE = 0.5
+
+
+def resolve_select(translator: Translator, select: Optional[str]) -> str:
+    select = getattr(translator.spec, "recompute_select", "question") if select is None \
+        else select
+    if select not in SELECTIONS:
+        raise KvlingoError(f"select is one of {', '.join(SELECTIONS)}, not {select!r}.")
+    return select
 
 
 def switch(
@@ -192,42 +289,69 @@ def switch(
     recompute: Optional[float] = None,
     text: Optional[Tuple[str, Sequence[Tuple[int, int]]]] = None,
     recompute_max: Optional[int] = None,
+    select: Optional[str] = None,
+    tokenizer=None,
 ) -> SwitchResult:
     """Hand a context over to the target model.
 
     ``source_cache``: the source's live cache of the context (what it has after its
     turn). Without it the source prefills the context first (not timed).
     ``native_tail``: the target computes the last m context tokens before the last
-    one itself (default: the translator's ``spec.native_tail``). They are left
-    ``pending``: the target reads them with the last token in its first step, one
-    pass over its weights (see :func:`first_step`).
+    one itself (default: the translator's ``spec.native_tail``). They are left in
+    the result's ``prompt``: the target reads them with the last token in its first
+    step, one pass over its weights.
     ``recompute``: a share of the context's positions (0.1 = 10 %) the target
-    recomputes itself after the translation, on the words that look like facts
-    (``recompute.salient_spans``), at most ``recompute_max`` positions (0: no
-    limit). None: the translator's defaults (``spec.recompute``,
-    ``spec.recompute_max``). It needs ``text``, the context's text and each token's
-    character offsets (:func:`switch_text` passes them); without it a default
-    recompute is skipped. The recompute is left ``deferred``: the target's first
-    pass does it (``SwitchResult.read``).
+    recomputes itself after the translation, at most ``recompute_max`` positions (0:
+    no limit); None: the translator's defaults (:class:`RecomputeBudget`).
+    ``select``: how they are chosen (:data:`SELECTIONS`; None: the translator's
+    default). The fact-like words need the context's text: ``text`` = (text, each
+    token's character offsets), or ``tokenizer`` to decode the ids; without either
+    only the question chooses. The recompute is left to the target's first pass.
     """
     tokens = as_batch(tokens)
-    if recompute and text is None:
-        raise KvlingoError("recompute needs the context's text: use switch_text, or pass "
-                           "text=(text, offsets).")
-    budget = RecomputeBudget.of(translator, recompute if text is not None else 0.0,
-                                recompute_max)
     if tokens.shape[0] != 1:
         raise KvlingoError("switch() takes one sequence at a time.")
+    ids = tokens[0].tolist()
+    select = resolve_select(translator, select)
+    if text is None and tokenizer is not None:
+        text = token_offsets(tokenizer, ids)
+    budget = RecomputeBudget.of(translator, recompute, recompute_max)
+    if budget.share and select == "lexical" and text is None:
+        raise KvlingoError("A lexical recompute needs the context's text: use switch_text, "
+                           "or pass text=(text, offsets) or tokenizer=.")
     if source_cache is None:
         source_cache = prefill(source, tokens[:, :-1])
         mx.eval([(c.keys, c.values) for c in source_cache])
     t0 = time.perf_counter()
-    ids = tokens[0].tolist()
     alignment = identity_alignment(ids, translator.spec.native_prefix)
     m = resolve_native_tail(translator, native_tail)
-    spans = choose_recompute(translator, ids, m, budget, text)
+    return _switch(source, target, translator, source_cache, alignment, tokens, m, t0,
+                   budget, select, text)
+
+
+def _switch(source, target, translator, source_cache, alignment, tokens, m: int, t0: float,
+            budget: "RecomputeBudget", select: str, text, early=None) -> SwitchResult:
+    """The switch every entry point makes: translate all but the last m + 1
+    positions, then choose what the target recomputes (left deferred)."""
+    ids = tokens[0].tolist()
+    n, lo = len(ids), max(translator.spec.native_prefix, 1)
+    end = _translated_end(n, m)
+    count = budget.positions(n)
+    lexical = []
+    if count and text is not None:
+        share = count if select == "lexical" else int(count * LEXICAL_SHARE)
+        lexical = salient_spans(text[0], text[1], share, translator.spec.native_prefix, end)
+    by_question = bool(count) and select == "question" and end > lo + 1
+    since = lo if by_question else (lexical[0][0] if lexical else None)
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                            history=_history(spans))
+                            early=early, history=None if since is None else History(since))
+    result.target = target
+    spans = lexical
+    if by_question:
+        start = min(end, max(n - MIN_QUESTION, lo + 1))
+        scores = question_scores(target, result._cache, ids, start, lo, result.history)
+        spans = question_spans(scores, count, lo, start, keep=lexical)
+        result.translate_s = time.perf_counter() - t0
     return _defer(result, spans, ids)
 
 
@@ -278,28 +402,10 @@ class RecomputeBudget:
         return min(count, self.most) if self.most else count
 
 
-def choose_recompute(translator: Translator, tokens: Sequence[int], m: int,
-                     budget: RecomputeBudget,
-                     text: Optional[Tuple[str, Sequence[Tuple[int, int]]]]) -> List[Span]:
-    """Up to ``budget`` of the context's positions, its fact-like words among the
-    positions a switch with native tail ``m`` translates, for the target to
-    recompute (``recompute.salient_spans``). Chosen before the translation, so that
-    it translates the older rows the recompute reads in sliding-window layers too."""
-    count = budget.positions(len(tokens))
-    if not count:
-        return []
-    return salient_spans(text[0], text[1], count, translator.spec.native_prefix,
-                         _translated_end(len(tokens), m))
-
-
 def _translated_end(n: int, m: int) -> int:
     """Positions 0..end-1 of an n-token context a switch with native tail m
     translates: the last m + 1 are read by the target's first step."""
     return max(n - 1 - m, 0)
-
-
-def _history(spans: Sequence[Span]) -> Optional[History]:
-    return History(since=min(a for a, _ in spans)) if spans else None
 
 
 def _defer(result: SwitchResult, spans: List[Span], tokens: Sequence[int]) -> SwitchResult:
@@ -347,6 +453,7 @@ def switch_text(
     source_tokens: Optional[tuple] = None,
     recompute: Optional[float] = None,
     recompute_max: Optional[int] = None,
+    select: Optional[str] = None,
 ) -> SwitchResult:
     """Hand a plain-text context over to the target, whatever the two tokenizers.
 
@@ -357,13 +464,15 @@ def switch_text(
     tokens. ``source_tokens``: the source's (ids, offsets) of ``text``
     (align.tokenize_with_offsets), which a caller that prefilled the source has
     already: the switch then tokenizes only for the target (~7 ms less for 4,000
-    SmolLM2 tokens here). ``recompute``, ``recompute_max``: as in :func:`switch`.
+    SmolLM2 tokens here). ``recompute``, ``recompute_max``, ``select``: as in
+    :func:`switch`.
     """
     if not translator.cross_tokenizer:
         ids, offsets = source_tokens or tokenize_with_offsets(source_tokenizer, text)
         return switch(source, target, translator, mx.array(ids), source_cache=source_cache,
                       native_tail=native_tail, recompute=recompute, text=(text, offsets),
-                      recompute_max=recompute_max)
+                      recompute_max=recompute_max, select=select)
+    select = resolve_select(translator, select)
     budget = RecomputeBudget.of(translator, recompute, recompute_max)
     m = resolve_native_tail(translator, native_tail)
     if source_cache is None:
@@ -377,8 +486,5 @@ def switch_text(
     if len(alignment.target_tokens) < 2:
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
     tokens = mx.array(alignment.target_tokens)[None]
-    spans = choose_recompute(translator, alignment.target_tokens, m, budget,
-                             (text, alignment.target_offsets))
-    result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                            early=early, history=_history(spans))
-    return _defer(result, spans, alignment.target_tokens)
+    return _switch(source, target, translator, source_cache, alignment, tokens, m, t0, budget,
+                   select, (text, alignment.target_offsets), early)

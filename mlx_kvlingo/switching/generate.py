@@ -42,9 +42,8 @@ def generate_after_switch(target, tokenizer, result: SwitchResult, **kwargs):
     output is identical to ``stream_generate`` from the same cache.
     """
     if set(kwargs) - _FIRST_STEP_OPTIONS:
-        result.settle(target)
-        return stream_generate(target, tokenizer, result.pending, prompt_cache=result.cache,
-                               **kwargs)
+        return stream_generate(target, tokenizer, result.prompt,
+                               prompt_cache=result.prompt_cache, **kwargs)
     return _stream_after_switch(target, tokenizer, result, **kwargs)
 
 

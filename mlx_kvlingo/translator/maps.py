@@ -96,6 +96,11 @@ class TranslatorSpec:
     # time stays about the same share of a re-prefill's at every length (see
     # switching.api.RecomputeBudget). Files written before this field: 0.
     recompute_reserve: int = 0
+    # How the recompute's positions are chosen (switching.api.SELECTIONS):
+    # "question", the positions the question reads at the switch, with the
+    # fact-like words; "lexical", the fact-like words only. Files written before
+    # this field: "question".
+    recompute_select: str = "question"
     # The target computes its layer-0 K/V itself instead of translating them (they
     # depend only on each token and its position: exact, and cheap). The maps of
     # layer 0 stay in the file, unused. Files written before this field: off.
@@ -130,6 +135,8 @@ class TranslatorSpec:
             del d["recompute"], d["recompute_max"]
         if not self.recompute or not self.recompute_reserve:
             del d["recompute_reserve"]
+        if not self.recompute or self.recompute_select == "question":
+            del d["recompute_select"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -538,7 +545,8 @@ def _validate_spec(spec: TranslatorSpec):
         raise TranslatorFileError(f"invalid native_tail {spec.native_tail!r}.")
     if not (isinstance(spec.recompute, (int, float)) and not isinstance(spec.recompute, bool)
             and 0 <= spec.recompute <= 1 and _is_count(spec.recompute_max)
-            and _is_count(spec.recompute_reserve)):
+            and _is_count(spec.recompute_reserve)
+            and spec.recompute_select in ("question", "lexical")):
         raise TranslatorFileError(
             f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r} / "
             f"recompute_reserve {spec.recompute_reserve!r}.")

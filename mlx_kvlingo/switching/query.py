@@ -1,0 +1,135 @@
+"""Which positions to recompute: the ones the question reads.
+
+At a switch the target is about to read the question anyway: the pending tokens of
+a one-shot switch (its native tail and the context's last token), or the turn's
+new messages in a conversation. Read once on the translated cache, the question's
+queries show where in the context it looks for its answer; those positions (and a
+few neighbours on each side, the words that lead up to a fact and follow it) are
+recomputed natively, and the question is read again on the repaired cache, in the
+same pass as the recompute (:func:`~.recompute.recompute_and_read`). A fact in
+plain words ("under the piano") looks like nothing to a word list; the question
+about it ("the key was hidden under the") attends to it.
+
+The reading is a probe: nothing is written to the cache. Its cost is one more pass
+of the target over the short question. The score of a context position is, summed
+over the target's layers, the largest attention any head gives it (averaged over
+the question's tokens): a head that retrieves a fact puts its mass there even when
+most heads look at the recent tokens. The attention sink (positions below ``lo``)
+and the question itself are not scored.
+"""
+
+import sys
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import cpu_math
+from ..errors import KvlingoError
+from .recompute import Span, _by_position, _PassView, _roped_at, merge_spans
+
+# Neighbours recomputed with a position the question reads: the words that lead up
+# to it (what the question repeats: "hidden under the") and the one after it.
+BEFORE = 4
+AFTER = 2
+
+
+# A question shorter than this (a one-shot switch without a native tail reads only
+# the context's last token) is read with the context's tokens before it.
+MIN_QUESTION = 16
+
+
+def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start: int,
+                    lo: int = 1, history: Optional[dict] = None) -> np.ndarray:
+    """How much the target, reading ``tokens[start:]`` (the question) on ``cache``,
+    attends to each position lo..start-1 (see the module's docstring): an array of
+    start - lo scores. ``cache`` holds ``tokens[:end]`` for some end >= start - 1;
+    question positions it holds are read again, the others after them, as in a
+    recompute pass (:class:`~.recompute._PassView`): the cache is left as it was.
+    ``history``: rows older than a sliding layer keeps (kernel.History.layers)."""
+    end = min(c.offset for c in cache)
+    top = len(tokens)
+    if not lo <= start <= end + 1 or start >= top or end > top:
+        raise KvlingoError(f"Cannot read positions {start}..{top - 1} as a question on a "
+                           f"{end}-position cache.")
+    if start <= lo:
+        return np.zeros((0,), np.float32)
+    positions = mx.arange(start, top)
+    selected = mx.zeros((top,), dtype=mx.bool_)
+    selected[positions] = True
+    history = history or {}
+    views = [_PassView(*_by_position(c, end, top, history.get(i)), positions, selected)
+             for i, c in enumerate(cache)]
+    totals = []
+    attention = _ScoringAttention(lo, start, totals)
+    cpu_math.install(target)
+    module = sys.modules[type(target.layers[0].self_attn).__module__]
+    attention.original = getattr(module, "scaled_dot_product_attention", None)
+    if attention.original is None:
+        raise KvlingoError(f"{module.__name__} does not call scaled_dot_product_attention: "
+                           "its attention cannot be read.")
+    module.scaled_dot_product_attention = attention
+    try:
+        with _roped_at(target, positions, top), cpu_math.numpy_passes():
+            mx.eval(target.model(mx.array([list(tokens[start:])]), cache=views))
+    finally:
+        module.scaled_dot_product_attention = attention.original
+    return np.sum(totals, axis=0) if totals else np.zeros((start - lo,), np.float32)
+
+
+class _ScoringAttention:
+    """Stands in for mlx-lm's ``scaled_dot_product_attention`` during a probe: the
+    layer's attention computed once (scores in MLX, softmax in numpy), its output
+    returned and its score of positions lo..hi-1 kept: the largest over heads of the
+    attention the question's tokens give them, averaged over those tokens."""
+
+    def __init__(self, lo: int, hi: int, totals: list):
+        self.lo, self.hi, self.totals, self.original = lo, hi, totals, None
+
+    def __call__(self, queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        if sinks is not None or not (mask is None or isinstance(mask, mx.array)):
+            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+        B, H, L, D = queries.shape
+        Hk = keys.shape[1]
+        q = (queries.astype(mx.float32) * scale).reshape(B, Hk, H // Hk, L, D)
+        s = np.array(q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
+        if mask is not None:
+            m = np.array(mask)
+            s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s, out=s)
+        p /= p.sum(axis=-1, keepdims=True)
+        self.totals.append(p[..., self.lo:self.hi].mean(axis=3).reshape(-1, self.hi - self.lo)
+                           .max(axis=0))
+        out = mx.array(p).astype(values.dtype) @ values[:, :, None]  # [B, Hk, rep, L, Dv]
+        return out.reshape(B, H, L, values.shape[-1])
+
+
+def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
+                   keep: Sequence[Span] = (), before: int = BEFORE,
+                   after: int = AFTER) -> List[Span]:
+    """Spans of at most ``count`` positions in all: those of ``keep`` (chosen
+    otherwise: the fact-like words), then the best-scored positions of lo..hi-1
+    (``scores[i]`` is position lo + i's), each with ``before`` / ``after``
+    neighbours, until the budget is spent."""
+    chosen = [p for a, b in keep for p in range(a, b)]
+    spans = merge_spans(chosen, lo=lo, hi=hi) if chosen else []
+    used = sum(b - a for a, b in spans)
+    if used >= count:
+        return spans
+    n = min(len(scores), hi - lo)
+    order = np.argsort(-scores[:n], kind="stable")
+    for i in order[: 4 * count]:
+        p = lo + int(i)
+        # The position with its neighbours, or alone where they do not fit.
+        for window in (range(max(p - before, lo), min(p + after + 1, hi)), [p]):
+            trial = merge_spans(chosen + list(window), lo=lo, hi=hi, gap=1)
+            size = sum(b - a for a, b in trial)
+            if size <= count:
+                chosen += list(window)
+                spans, used = trial, size
+                break
+        if used >= count:
+            break
+    return spans
