@@ -30,7 +30,8 @@ from .models.geometry import cache_geometry  # noqa: E402
 from .models.load import load  # noqa: E402
 from .pairs.shipped import shipped_translator  # noqa: E402
 from .serve.conversations import ConversationStore  # noqa: E402
-from .switching.api import switch, switch_text, translate_context  # noqa: E402
+from .switching.api import SwitchResult, switch, switch_text, translate_context  # noqa: E402
+from .switching.generate import generate_after_switch  # noqa: E402
 from .translator.maps import Translator, load_translator  # noqa: E402
 
 __version__ = "0.1.0"
@@ -40,9 +41,11 @@ __all__ = [
     "KvlingoError",
     "QualityGate",
     "Session",
+    "SwitchResult",
     "TranslatorMismatch",
     "Translator",
     "cache_geometry",
+    "generate_after_switch",
     "load",
     "load_translator",
     "prefill",

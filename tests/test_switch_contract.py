@@ -1,0 +1,140 @@
+"""A switch result hands over to mlx-lm as a prompt cache does, once; and the
+question it is about to read chooses what the target recomputes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import stream_generate
+from tiny import identity_translator, tiny_model
+
+from mlx_kvlingo import generate_after_switch
+from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.models.features import attention_weights
+from mlx_kvlingo.switching.api import switch, switch_text, translate_context
+from mlx_kvlingo.switching.query import question_scores, question_spans
+
+TEXT = ("The helper parse_cfg_v2 reads the code 58213 for Pomini Gufifari. The lamp was "
+        "left under the piano by the old baker, and nothing else of note happened that "
+        "day. Later the baker asked where the lamp was. The lamp was under the")
+
+
+def _lossy(src, stok):
+    """A translator that keeps half of every key and value, with a native tail and
+    a recompute by default: a switch from it has a prompt and deferred positions."""
+    t = identity_translator(src, stok, scale=0.5)
+    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 3, 0.3, 0
+    return t
+
+
+def _tokens(responses):
+    return [r.token for r in responses]
+
+
+def test_mlx_lm_generation_from_prompt_and_prompt_cache_equals_generate_after_switch(toy_pair):
+    src, stok, _, _ = toy_pair
+    t = _lossy(src, stok)
+    fused = switch_text(src, stok, src, stok, t, TEXT)
+    handed = switch_text(src, stok, src, stok, t, TEXT)
+    assert fused.deferred and handed.prompt.size == 4  # tail of 3 + the last token
+    want = _tokens(generate_after_switch(src, stok, fused, max_tokens=12))
+    got = _tokens(stream_generate(src, stok, handed.prompt, prompt_cache=handed.prompt_cache,
+                                  max_tokens=12))
+    assert got == want and len(want) >= 4
+    # The recompute mattered: without it mlx-lm continues otherwise.
+    plain = switch_text(src, stok, src, stok, t, TEXT, recompute=0.0)
+    logits = src(plain.prompt[None], cache=plain.prompt_cache)[0, -1]
+    first = src(fused.prompt[None], cache=switch_text(src, stok, src, stok, t,
+                                                       TEXT).prompt_cache)[0, -1]
+    assert mx.abs(logits - first).max().item() > 1e-3
+
+
+def test_a_result_is_read_once_and_its_cache_is_fenced_until_then(toy_pair):
+    src, stok, _, _ = toy_pair
+    t = _lossy(src, stok)
+    result = switch_text(src, stok, src, stok, t, TEXT)
+    with pytest.raises(KvlingoError, match="not the whole context"):
+        result.cache
+    spare = result.copy()
+    list(generate_after_switch(src, stok, result, max_tokens=3))
+    assert result.cache[0].offset > 0  # read: the cache holds the whole context now
+    with pytest.raises(KvlingoError, match="already read"):
+        list(generate_after_switch(src, stok, result, max_tokens=3))
+    with pytest.raises(KvlingoError, match="already read"):
+        result.prompt_cache
+    spare.prompt_cache
+    with pytest.raises(KvlingoError, match="already handed over"):
+        spare.prompt_cache
+    with pytest.raises(KvlingoError, match="already handed over"):
+        spare.copy()
+
+
+def test_translate_context_is_the_switch_read_but_for_its_last_token(toy_pair):
+    """A prompt cache from translate_context, continued by mlx-lm with the last
+    token, generates what the switch of the same context does: the same native
+    positions and, with a recompute chosen by the fact-like words alone, the same
+    recomputed ones. (The question's choice reads the context's last tokens, which
+    for a prompt cache end one token earlier.)"""
+    src, stok, _, _ = toy_pair
+    t = _lossy(src, stok)
+    t.spec.recompute_select = "lexical"
+    ids = stok.encode(TEXT)
+    cache = translate_context(src, src, t, ids, tokenizer=stok)
+    assert cache[0].offset == len(ids) - 1
+    got = _tokens(stream_generate(src, stok, mx.array(ids[-1:]), prompt_cache=cache,
+                                  max_tokens=10))
+    result = switch(src, src, t, ids, tokenizer=stok)
+    assert result.deferred
+    want = _tokens(generate_after_switch(src, stok, result, max_tokens=10))
+    assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_question_scores_are_the_targets_attention_over_the_context(arch):
+    """Read on an exact translation, the question's scores are the model's own
+    attention from the question's tokens: per layer, the largest over heads of
+    their mean, summed over layers; the cache is left as it was."""
+    m = tiny_model(arch)
+    ids = mx.random.randint(0, 97, (30,), key=mx.random.key(3)).tolist()
+    result = switch(m, m, identity_translator(m), ids, native_tail=4, recompute=0.0)
+    cache = result.prompt_cache
+    before = [mx.array(c.keys) for c in cache]
+    start = 25
+    scores = question_scores(m, cache, ids, start, lo=1)
+    _, weights = attention_weights(m, mx.array([ids]), per_head=True)
+    want = sum(np.array(w[0, :, start:, 1:start].mean(axis=1).max(axis=0)) for w in weights)
+    assert scores.shape == (start - 1,)
+    assert np.abs(scores - want).max() < 1e-3
+    assert all(mx.array_equal(a, c.keys) for a, c in zip(before, cache))
+    assert all(c.offset == 25 for c in cache)
+
+
+def test_question_spans_take_the_best_positions_with_neighbours_within_the_budget():
+    scores = np.zeros(100, np.float32)
+    scores[40], scores[70], scores[10] = 3.0, 2.0, 1.0  # positions lo + i, lo = 1
+    spans = question_spans(scores, 14, lo=1, hi=101, before=4, after=2)
+    assert spans == [(37, 44), (67, 74)]
+    kept = question_spans(scores, 14, lo=1, hi=101, keep=[(90, 95)], before=4, after=2)
+    assert (90, 95) in kept and (37, 44) in kept and sum(b - a for a, b in kept) <= 14
+    # A budget smaller than a neighbourhood still takes the best position itself.
+    assert question_spans(scores, 1, lo=1, hi=101) == [(41, 42)]
+
+
+def test_the_question_finds_a_fact_the_translation_hid(toy_pair):
+    """A translation that carries nothing (zero maps) hides the context; with the
+    question's choice the target recomputes positions it attends to, and its
+    prediction moves toward the re-prefill's."""
+    src, stok, _, _ = toy_pair
+    zero = identity_translator(src, stok, scale=0.0)
+    zero.spec.native_tail = 3
+    ids = stok.encode(TEXT)
+    native = src(mx.array([ids]))[0, -1]
+    native = native - mx.logsumexp(native)
+
+    def kl(share):
+        r = switch(src, src, zero, ids, recompute=share, select="question")
+        logits = r.read()[0, -1]
+        lp = logits - mx.logsumexp(logits)
+        return (mx.exp(native) * (native - lp)).sum().item()
+
+    assert kl(0.3) < kl(0.0)
