@@ -3,7 +3,10 @@ and no context, on the real pair with the shipped translators.
 
 Items: a fact (a number, an invented name, a code identifier or a list item, in
 several phrasings) put in at 5 / 25 / 50 % of held-out text (Austen chapters and
-standard-library docstrings that training never read), asked for at the end.
+standard-library docstrings that training never read), asked for at the end;
+``--kinds plain``: facts in ordinary lowercase words instead (a place or object,
+who did what to whom, yes/no, two facts combined, a made-up term's definition, a
+helper described in a code comment).
 
     python benchmarks/recall.py --source smollm2 --target gemma3 --tokens 550 \
         --items 48 --json benchmarks/results/recall-s2g-550.json
@@ -15,8 +18,8 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
-from mlx_kvlingo.data.recall import KINDS, heldout_filler, recall_items
-from mlx_kvlingo.measure.recall import format_table, measure_recall
+from mlx_kvlingo.data.recall import KINDS, PLAIN_KINDS, heldout_filler, recall_items
+from mlx_kvlingo.measure.recall import format_kinds, format_table, measure_recall
 from mlx_kvlingo.measure.session_recall import measure_session_recall
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.load import load_pair
@@ -30,7 +33,10 @@ def main(argv=None):
     p.add_argument("--translator", type=Path, default=None, help="default: the shipped one")
     p.add_argument("--tokens", type=int, default=550, help="context length, target tokens")
     p.add_argument("--items", type=int, default=48)
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="comma-separated kinds of fact or groups: 'facts' (the default "
+                   "kinds), 'plain' (facts in ordinary words: %s), 'all'"
+                   % ",".join(PLAIN_KINDS))
     p.add_argument("--native-tail", type=int, default=None, help="default: the translator's")
     p.add_argument("--recompute", default="",
                    help="comma-separated budgets (0.1 = 10%% of the context) of switches that "
@@ -76,6 +82,8 @@ def main(argv=None):
                                 target_name=args.target, checkpoint=args.checkpoint,
                                 recompute_max=args.recompute_max)
     print(format_table(result))
+    print()
+    print(format_kinds(result))
     if args.json:
         out = result.to_dict()
         out.update(environment=environment(), command=" ".join(sys.argv),

@@ -392,13 +392,17 @@ def eval_cmd(
         "switches whose fact-like words the target recomputes."),
     recompute_max: int = typer.Option(
         0, help="--task recall: the most positions each budget may come to (0: no limit)."),
+    kinds: str = typer.Option(
+        "facts", help="--task recall: comma-separated kinds of fact or groups of them: "
+        "'facts' (number,name,identifier,list: facts that look like facts), 'plain' "
+        "(place,relation,yesno,combined,definition,code: facts in ordinary words), 'all'."),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length; or (--task recall) long-range recall
     with exact match, answer NLL and time to first token."""
     if task == "recall":
         return _recall(source, target, translator, tokens, items, recompute, json_out,
-                       recompute_max)
+                       recompute_max, kinds)
     if task != "cbr":
         fail(f"--task is cbr or recall, not {task!r}.")
     if not translator:
@@ -425,8 +429,10 @@ def eval_cmd(
     _run(go)
 
 
-def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0):
-    from mlx_kvlingo.measure.recall import format_table, run_recall
+def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0,
+            kinds="facts"):
+    from mlx_kvlingo.data.recall import expand_kinds
+    from mlx_kvlingo.measure.recall import format_kinds, format_table, run_recall
     from mlx_kvlingo.pairs.shipped import translator_for
 
     def go():
@@ -437,12 +443,15 @@ def _recall(source, target, translator, tokens, items, recompute, json_out, reco
             budgets = [float(b) for b in recompute.split(",") if b.strip()]
         except ValueError:
             raise KvlingoError(f"--recompute takes fractions such as 0.1, got {recompute!r}.")
+        chosen = expand_kinds(kinds)
         t = translator_for(source, target, translator[0] if translator else None)
         # Scored items go next to the report as they finish: a rerun resumes.
         checkpoint = json_out.with_suffix(".items.jsonl") if json_out else None
         result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo,
-                            checkpoint=checkpoint, recompute_max=recompute_max)
+                            checkpoint=checkpoint, recompute_max=recompute_max,
+                            kinds=chosen)
         typer.echo(format_table(result))
+        typer.echo("\n" + format_kinds(result))
         if json_out:
             json_out.write_text(json.dumps(result.to_dict(), indent=2))
             typer.echo(f"Wrote {json_out}")

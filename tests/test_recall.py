@@ -1,10 +1,20 @@
 """Long-range recall items and their scoring (data.recall, measure.recall)."""
 
 
+import re
+
 import pytest
 from tiny import FILLER, identity_translator, tiny_model
 
-from mlx_kvlingo.data.recall import KINDS, TEMPLATES, recall_items
+from mlx_kvlingo.data import recall as data_recall
+from mlx_kvlingo.data.recall import (
+    KIND_GROUPS,
+    KINDS,
+    PLAIN_KINDS,
+    TEMPLATES,
+    expand_kinds,
+    recall_items,
+)
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.measure.recall import (
     EQUAL_TIME,
@@ -13,6 +23,8 @@ from mlx_kvlingo.measure.recall import (
     ORACLE,
     SWITCH,
     equal_time_tokens,
+    fact_positions,
+    format_kinds,
     format_table,
     matches,
     measure_recall,
@@ -49,6 +61,122 @@ def test_every_kind_uses_several_phrasings():
     assert len({i.template for i in items}) == len(TEMPLATES["number"])
 
 
+# Python code filler for the code kind: small functions, blank lines between them.
+CODE = ["\n\n".join(f"def step_{p}_{i}(value):\n    result = value + {i}\n"
+                    f"    if result > {p}:\n        result -= {p}\n    return result"
+                    for i in range(10)) for p in range(30)]
+
+
+def plain_items(count=60, depths=(0.05, 0.25, 0.5, 0.9), seed=3, kinds="plain", tokens=300):
+    return recall_items(FILLER, count, tokens, words, kinds=kinds, depths=depths, seed=seed,
+                        code_filler=CODE)
+
+
+def said(word, text):
+    return re.search(rf"(?<![A-Za-z]){re.escape(word)}(?![A-Za-z])", text, re.I) is not None
+
+
+def test_plain_kinds_hold_ordinary_words_stated_only_in_the_fact():
+    items = plain_items()
+    assert [i.kind for i in items[:len(PLAIN_KINDS)]] == list(PLAIN_KINDS)
+    for item in items:
+        answer = item.answer.strip()
+        assert item.answer.startswith(" ") and re.fullmatch(r"[a-z]+", answer), item.answer
+        assert not said(answer, item.cue)  # the cue restates the subject, never the value
+        assert words(item.prompt) <= 300
+        if item.kind == "yesno":
+            continue  # "yes" / "no": the context may say them anywhere
+        # The answer is in the context, only in the fact sentence(s).
+        where = [m.start() for m in re.finditer(rf"(?<![A-Za-z]){answer}(?![A-Za-z])",
+                                                 item.context)]
+        assert where and all(any(a <= w < b for a, b in item.facts) for w in where)
+    # Deterministic in the seed; another seed gives other values.
+    assert plain_items() == items
+    assert plain_items(seed=4) != items
+
+
+def test_the_combined_kind_needs_both_facts():
+    items = plain_items(30, kinds=["combined"])
+    for item in items:
+        assert len(item.facts) == 2
+        (a, b), (c, d) = item.facts
+        assert b < c  # apart, the first at the asked depth
+        first, second = item.context[a:b], item.context[c:d]
+        answer = item.answer.strip()
+        assert said(answer, first) != said(answer, second)  # in exactly one of them
+        # The other names the subject the cue asks about, which the answer's lacks.
+        asked = [w for w in re.findall(r"[a-z]+", item.cue) if w in data_recall._OBJECTS]
+        assert asked and all(said(w, first + second) for w in asked)
+        assert all(not said(w, first if said(answer, first) else second) for w in asked)
+    # The sentence holding the answer comes first in some items, second in others.
+    assert len({said(i.answer.strip(), i.context[slice(*i.fact)]) for i in items}) == 2
+
+
+@pytest.mark.parametrize("depth", [0.05, 0.3, 0.6, 0.9])
+@pytest.mark.parametrize("kind", PLAIN_KINDS)
+def test_a_plain_fact_sits_at_the_depth_asked(kind, depth):
+    for item in plain_items(6, depths=[depth], kinds=[kind], tokens=400):
+        assert abs(item.depth - depth) < 0.06, (kind, depth, item.depth)
+        start, end = item.fact
+        if kind == "code":  # a comment or docstring on lines of its own
+            assert item.context[start - 1] == "\n" and item.context[end] == "\n"
+            assert item.context[start:end].strip().startswith(("#", "def "))
+        else:  # a sentence of its own, between sentences
+            assert item.context[start:end].endswith(".") and item.context[end] == " "
+
+
+def test_yes_and_no_are_balanced_and_need_the_fact():
+    items = plain_items(40, kinds=["yesno"])
+    answers = [i.answer for i in items]
+    assert set(answers) == {" yes", " no"} and answers.count(" yes") == 20
+    for item in items:
+        fact = item.context[slice(*item.fact)]
+        asked = [w for w in re.findall(r"[a-z]+", item.cue.split("?")[0])
+                 if w in data_recall._VOCABULARIES[PLAIN_TEMPLATE_VOCAB(item)]]
+        # The word asked about is the fact's own exactly when the answer is yes.
+        assert said(asked[-1], fact) == (item.answer == " yes")
+        assert not said("yes", item.cue) and not said("no", item.cue)
+
+
+def PLAIN_TEMPLATE_VOCAB(item):
+    return data_recall.PLAIN_TEMPLATES[item.kind][item.template][2]
+
+
+@pytest.mark.parametrize("kind", PLAIN_KINDS)
+def test_plain_kinds_vary_their_phrasing_and_values(kind):
+    assert len(TEMPLATES[kind]) >= 4
+    items = plain_items(60, kinds=[kind])
+    assert len({i.template for i in items}) == len(TEMPLATES[kind])
+    if kind != "yesno":
+        assert len({i.answer for i in items}) >= 30  # from a large vocabulary
+
+
+def test_plain_vocabularies_are_large_lowercase_and_apart():
+    vocabularies = [data_recall._OBJECTS, data_recall._PLACES, data_recall._ROLES,
+                    data_recall._CONTAINERS]
+    every = [w for v in vocabularies for w in v]
+    assert len(every) == len(set(every))  # no word in two slots' vocabularies
+    assert all(re.fullmatch(r"[a-z]+", w) for w in every)
+    assert all(len(v) >= 60 for v in vocabularies[:3])
+
+
+def test_kind_groups_are_spelled_out():
+    assert expand_kinds("plain") == list(PLAIN_KINDS)
+    assert expand_kinds("facts") == list(KINDS)
+    assert expand_kinds(["number", "plain", "place"]) == ["number"] + list(PLAIN_KINDS)
+    assert expand_kinds("all") == list(KINDS + PLAIN_KINDS) == list(KIND_GROUPS["all"])
+    assert {i.kind for i in plain_items(12, kinds="plain")} == set(PLAIN_KINDS)
+    with pytest.raises(KvlingoError, match="kinds"):
+        expand_kinds("plain,colour")
+
+
+def test_the_default_kinds_keep_their_items():
+    """The plain kinds leave the fact-like kinds' items as they were."""
+    items = recall_items(FILLER, 8, 300, words, seed=3)
+    assert "more" not in items[0].to_dict()
+    assert items == recall_items(FILLER, 8, 300, words, kinds="facts", seed=3)
+
+
 def test_bad_requests_are_refused():
     with pytest.raises(KvlingoError, match="kinds"):
         recall_items(FILLER, 4, 300, words, kinds=["colour"])
@@ -62,6 +190,30 @@ def test_an_answer_matches_only_as_a_whole_word():
     assert not matches(" 582.", " 58213")
     assert not matches(" 582131", " 58213")
     assert matches(" Pomi Gufa, who", " Pomi Gufa")
+    assert not matches(" pomi gufa", " Pomi Gufa")  # a name's case counts
+
+
+def test_a_plain_answer_matches_in_any_case_and_as_a_whole_word():
+    assert matches(" Yes, he did.", " yes", plain=True)
+    assert matches('\n"No."', " no", plain=True)
+    assert matches(" **Cellar**", " cellar", plain=True)
+    assert not matches(" Yes", " yes")  # only plain answers fold case
+    assert not matches(" nothing", " no", plain=True)
+    assert not matches(" yesterday", " yes", plain=True)
+    assert not matches(" the cellar", " cellar", plain=True)
+    assert matches(" cellar door", " cellar", plain=True)
+
+
+def test_the_oracle_covers_both_facts_of_a_combined_item():
+    item = plain_items(1, kinds=["combined"])[0]
+    offsets, pos = [], 0
+    for w in item.context.split(" "):
+        offsets.append((pos, pos + len(w)))
+        pos += len(w) + 1
+    chosen = fact_positions(item, offsets)
+    for a, b in item.facts:
+        assert any(offsets[i][0] < b and offsets[i][1] > a for i in chosen)
+        assert any(offsets[i][0] >= a for i in chosen)
 
 
 def test_truncation_keeps_the_bos_and_the_last_tokens():

@@ -49,6 +49,21 @@ def stdlib_documents(min_chars: int = 200) -> List[Document]:
     return docs
 
 
+def stdlib_sources() -> List[Document]:
+    """The source text of each top-level standard-library module (read, never
+    imported)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            docs.append((path.name, path.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    if not docs:
+        raise KvlingoError(f"No Python sources found in the standard library at {root}.")
+    return docs
+
+
 def split_documents(
     docs: Sequence[Document], heldout_fraction: float = 0.1
 ) -> Tuple[List[Document], List[Document]]:

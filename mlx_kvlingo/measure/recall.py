@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..chat.gate import probe_facts
-from ..data.recall import KINDS, RecallItem, heldout_filler, recall_items
+from ..data.recall import KINDS, PLAIN_KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
 from ..models.cache import prefill
 from ..models.load import load_pair
@@ -84,9 +84,17 @@ class RecallResult:
                                       [float(s.exact) for s in self.scores[b]])
 
     def by_kind(self, setting: str) -> Dict[str, float]:
+        """Exact-match rate per kind of fact."""
         out: Dict[str, List[bool]] = {}
         for item, s in zip(self.items, self.scores[setting]):
             out.setdefault(item.kind, []).append(s.exact)
+        return {k: sum(v) / len(v) for k, v in out.items()}
+
+    def nll_by_kind(self, setting: str) -> Dict[str, float]:
+        """Mean answer NLL per token, per kind of fact."""
+        out: Dict[str, List[float]] = {}
+        for item, s in zip(self.items, self.scores[setting]):
+            out.setdefault(item.kind, []).append(s.answer_nll)
         return {k: sum(v) / len(v) for k, v in out.items()}
 
     def to_dict(self) -> dict:
@@ -97,7 +105,8 @@ class RecallResult:
             "scores": {k: [asdict(s) for s in v] for k, v in self.scores.items()},
             "summary": {k: {"exact": self.exact_rate(k).to_dict(),
                             "answer_nll": self.answer_nll(k).to_dict(),
-                            "ttft_s": self.ttft(k), "by_kind": self.by_kind(k)}
+                            "ttft_s": self.ttft(k), "by_kind": self.by_kind(k),
+                            "nll_by_kind": self.nll_by_kind(k)}
                         for k in self.scores},
         }
 
@@ -115,19 +124,26 @@ def answer_tokens(tokenizer, prompt_ids: List[int], prompt: str, answer: str) ->
     return tokenizer.encode(answer, add_special_tokens=False)
 
 
-def matches(said: str, answer: str) -> bool:
+def matches(said: str, answer: str, plain: bool = False) -> bool:
     """The greedy text starts with the answer, and the answer is not the start of a
-    longer word or number ("582" does not match "58213", "58213" not "582131")."""
+    longer word or number ("582" does not match "58213", "58213" not "582131").
+
+    ``plain`` (an answer in ordinary lowercase words, ``data.recall.PLAIN_KINDS``):
+    in any case and after any opening quote or emphasis, so that " Yes, he did"
+    and ' "cellar"' match " yes" and " cellar"."""
     said, answer = said.lstrip(), answer.strip()
+    if plain:
+        said, answer = said.lstrip(" \t\n\"'*_`“‘").lower(), answer.lower()
     return said.startswith(answer) and not said[len(answer):len(answer) + 1].isalnum()
 
 
 def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: Sequence[int],
-                answer: str) -> RecallScore:
+                answer: str, plain: bool = False) -> RecallScore:
     """Answer from ``state`` (a cache and the tokens the target still reads, ending
     with the cue's last; a deferred recompute is done in that first pass): the
     greedy answer, timed from ``state.translate_s`` seconds already spent, and the
-    answer's teacher-forced NLL read on a copy of the state."""
+    answer's teacher-forced NLL read on a copy of the state (``plain``: matched as
+    :func:`matches` does plain answers)."""
     forced = state.copy()
     read = state.context_length
     t0 = time.perf_counter()
@@ -141,7 +157,7 @@ def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: S
     text = tokenizer.decode(said)
     lp = log_softmax(forced.read(target, answer_ids[:-1], keep=len(answer_ids)))
     answer_nll = nll(lp, mx.array([list(answer_ids)])).mean().item()
-    return RecallScore(matches(text, answer), answer_nll, ttft, text, read)
+    return RecallScore(matches(text, answer, plain), answer_nll, ttft, text, read)
 
 
 def native_state(target: nn.Module, ids: Sequence[int]) -> SwitchResult:
@@ -188,6 +204,11 @@ def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_
                   recompute, (prompt, source_tokens[1]), recompute_max)
 
 
+def plain(item: RecallItem) -> bool:
+    """Whether the item's answer is in ordinary words (matched in any case)."""
+    return item.kind in PLAIN_KINDS
+
+
 # ---------------------------------------------------------------------------
 # A set of items
 
@@ -201,10 +222,11 @@ def equal_time_tokens(times: Dict[int, float], target_s: float) -> int:
 
 
 def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List[int]:
-    """Target positions of the item's fact sentence: where the item put it, which a
-    real switch cannot know (the oracle a selection is measured against)."""
-    start, end = item.fact
-    return [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
+    """Target positions of the item's fact sentences: where the item put it, which a
+    real switch cannot know (the oracle a selection is measured against); every fact
+    sentence of an item that has several."""
+    return [i for i, (a, b) in enumerate(offsets)
+            if any(b > start and a < end for start, end in item.facts)]
 
 
 def recompute_setting(budget: Optional[float], most: int = 0) -> str:
@@ -295,7 +317,7 @@ def measure_recall(
                 add(setting, done[i][setting])
             continue
         add(NATIVE, score_state(target, target_tokenizer, native_state(target, ids), answer,
-                                item.answer))
+                                item.answer, plain(item)))
         read = read_source(source, source_tokenizer, translator, item.prompt)
         choices = [(SWITCH, 0.0, None)] + [(name, b, None) for name, b in zip(recomputed,
                                                                                recompute)]
@@ -313,13 +335,14 @@ def measure_recall(
             probed = state.copy().prompt_cache
             probe = probe_facts(target, probed, ids, item.prompt, offsets,
                                 lo=translator.spec.native_prefix)
-            score = score_state(target, target_tokenizer, state, answer, item.answer)
+            score = score_state(target, target_tokenizer, state, answer, item.answer,
+                                plain(item))
             score.probe = probe.nll if probe else None
             add(setting, score)
         for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
             add(setting, score_state(target, target_tokenizer,
                                      native_state(target, truncated_ids(ids, n, bos)), answer,
-                                     item.answer))
+                                     item.answer, plain(item)))
         save_item(checkpoint, item, {k: scores[k][-1] for k in per_item})
         log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
             + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
@@ -335,9 +358,22 @@ def measure_recall(
         for item, (ids, answer) in zip(items, prepared):
             add(name, score_state(target, target_tokenizer,
                                   native_state(target, truncated_ids(ids, n_eq, bos)), answer,
-                                  item.answer))
+                                  item.answer, plain(item)))
     return RecallResult(source_name, target_name, list(items), scores, equal[SWITCH],
                         {"equal_time_tokens": json.dumps(equal)})
+
+
+def format_kinds(result: RecallResult) -> str:
+    """A markdown table: exact match and answer NLL per kind, one row per setting."""
+    kinds = list(dict.fromkeys(item.kind for item in result.items))
+    counts = {k: sum(item.kind == k for item in result.items) for k in kinds}
+    lines = ["| exact match / answer NLL | " + " | ".join(f"{k} ({counts[k]})" for k in kinds)
+             + " |", "|---|" + "---|" * len(kinds)]
+    for setting in result.scores:
+        e, n = result.by_kind(setting), result.nll_by_kind(setting)
+        lines.append(f"| {setting} | "
+                     + " | ".join(f"{e[k]:.2f} / {n[k]:.2f}" for k in kinds) + " |")
+    return "\n".join(lines)
 
 
 def format_table(result: RecallResult) -> str:
@@ -356,7 +392,8 @@ def format_table(result: RecallResult) -> str:
 
 
 def run_recall(source: str, target: str, translator: Translator, tokens: int = 550,
-               count: int = 48, kinds: Sequence[str] = KINDS, recompute: Sequence[float] = (),
+               count: int = 48, kinds: Union[str, Sequence[str]] = KINDS,
+               recompute: Sequence[float] = (),
                oracle: bool = False, native_tail: Optional[int] = None, seed: int = 0,
                log: Callable[[str], None] = print,
                checkpoint: Optional[Union[str, Path]] = None,
