@@ -59,7 +59,7 @@ for i, item in enumerate(items):
             end = len(ids) - st.pending.size
             full = [KVCache() for _ in tgt.layers]
             tgt(mx.array([ids[:end]]), cache=full)
-            for c, f in zip(st.cache, full):
+            for c, f in zip(st._cache, full):
                 if isinstance(c, RotatingKVCache):
                     HIST[id(c)] = (f.keys[..., :end, :], f.values[..., :end, :])
         sc = score_state(tgt, ttok, st, answer, item.answer)

@@ -41,6 +41,9 @@ def main(argv=None):
     p.add_argument("--recompute", default="",
                    help="comma-separated budgets (0.1 = 10%% of the context) of switches that "
                    "recompute fact-like words; 'default': the translator file's own")
+    p.add_argument("--select", default="",
+                   help="comma-separated ways to choose each recompute's positions "
+                   "(question, lexical); default: the translator file's own")
     p.add_argument("--recompute-max", type=int, default=0,
                    help="the most positions each recompute budget may come to (0: no limit)")
     p.add_argument("--oracle", action="store_true",
@@ -80,7 +83,8 @@ def main(argv=None):
                                 native_tail=args.native_tail, recompute=budgets,
                                 oracle=args.oracle, source_name=args.source,
                                 target_name=args.target, checkpoint=args.checkpoint,
-                                recompute_max=args.recompute_max)
+                                recompute_max=args.recompute_max,
+                                selections=[s for s in args.select.split(",") if s] or [None])
     print(format_table(result))
     print()
     print(format_kinds(result))

@@ -45,8 +45,8 @@ def test_full_rank_compression_switches_like_the_original(arch):
     small, report = compressed(m, t, width, width)
     assert max(report.key_error + report.value_error) < 1e-6
     ids = windows(1, length=30, seed=99)[0]
-    want = switch(m, m, t, ids, native_tail=0).cache
-    got = switch(m, m, small, ids, native_tail=0).cache
+    want = switch(m, m, t, ids, native_tail=0).prompt_cache
+    got = switch(m, m, small, ids, native_tail=0).prompt_cache
     assert max_difference(got, want) < 1e-3
 
 
@@ -75,13 +75,13 @@ def test_token_maps_fold_into_the_projection(arch, tmp_path):
     small, report = compress_translator(t, feats, width, width, fold_tokens=True)
     assert small.spec.shared_tokens and not small.k_tok and not small.v_tok
     ids = windows(1, length=30, seed=99)[0]
-    want = switch(m, m, t, ids, native_tail=0).cache
-    got = switch(m, m, small, ids, native_tail=0).cache
+    want = switch(m, m, t, ids, native_tail=0).prompt_cache
+    got = switch(m, m, small, ids, native_tail=0).prompt_cache
     assert max_difference(got, want) < 1e-3
     small.save(tmp_path / "f.safetensors")
     back = load_translator(tmp_path / "f.safetensors")
     assert back.spec.shared_tokens
-    again = switch(m, m, back, ids, native_tail=0).cache
+    again = switch(m, m, back, ids, native_tail=0).prompt_cache
     assert max_difference(again, got) < 1e-5
     with pytest.raises(KvlingoError, match="token inputs"):
         compress_translator(t, {k: feats[k] for k in "kv"}, 8, 8, fold_tokens=True)
@@ -121,8 +121,8 @@ def test_a_compressed_translator_compresses_again_to_lower_ranks(fold):
     assert np.allclose(got.value_error, want.value_error, atol=1e-4)
     assert got.macs_after == want.macs_after < got.macs_before
     ids = windows(1, length=30, seed=99)[0]
-    a = switch(m, m, direct, ids, native_tail=0).cache
-    b = switch(m, m, again, ids, native_tail=0).cache
+    a = switch(m, m, direct, ids, native_tail=0).prompt_cache
+    b = switch(m, m, again, ids, native_tail=0).prompt_cache
     assert max_difference(a, b) < 1e-3
 
 
@@ -157,8 +157,8 @@ def test_compressed_file_round_trips(tmp_path, bits):
     assert back.spec.shared_rank == {"k": 16, "v": 24}
     assert '"format_version": 3' in read_safetensors_header(path)["__metadata__"][METADATA_KEY]
     ids = windows(1, length=20, seed=5)[0]
-    a = switch(m, m, small, ids, native_tail=0).cache
-    b = switch(m, m, back, ids, native_tail=0).cache
+    a = switch(m, m, small, ids, native_tail=0).prompt_cache
+    b = switch(m, m, back, ids, native_tail=0).prompt_cache
     assert max_difference(a, b) < (1e-5 if bits is None else 0.05)
 
 
@@ -243,8 +243,8 @@ def test_token_maps_fold_in_across_tokenizers():
     width = feats["k"].shape[1] + feats["tokens"].shape[1]
     small, _ = compress_translator(t, feats, width, width, fold_tokens=True)
     assert small.spec.shared_tokens and small.cross_tokenizer
-    want = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=0).cache
-    got = switch_text(src, stok, tgt, ttok, small, TEXT, native_tail=0).cache
+    want = switch_text(src, stok, tgt, ttok, t, TEXT, native_tail=0).prompt_cache
+    got = switch_text(src, stok, tgt, ttok, small, TEXT, native_tail=0).prompt_cache
     assert max_difference(got, want) < 1e-3
 
 

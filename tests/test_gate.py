@@ -126,7 +126,7 @@ def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
     native = prefill(src, mx.array(ids[:-1])[None])
     want = probe_facts(src, native, ids, PROBE_TEXT, offsets)
     assert want is not None and "58213" in want.words and len(want.per_word) == 3
-    exact = switch(src, src, identity_translator(src, stok), ids, native_tail=0).cache
+    exact = switch(src, src, identity_translator(src, stok), ids, native_tail=0).prompt_cache
     before = copy_cache(exact)
     got = probe_facts(src, exact, ids, PROBE_TEXT, offsets)
     assert got.words == want.words
@@ -135,7 +135,7 @@ def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
         assert a.offset == b.offset
         assert mx.array_equal(read_layer(a)[0], read_layer(b)[0])
     broken = switch(src, src, identity_translator(src, stok, scale=0.0), ids,
-                    native_tail=0).cache
+                    native_tail=0).prompt_cache
     assert abs(probe_facts(src, broken, ids, PROBE_TEXT, offsets).nll - want.nll) > 1e-2
     plain = "it was a fine day and it rained"
     p_ids, p_off = tokenize_with_offsets(stok, plain)
@@ -157,15 +157,15 @@ def test_the_fact_gate_keeps_a_good_cache_and_repairs_a_bad_one(toy_pair):
     def broken():
         return switch(src, src, identity_translator(src, stok, scale=0.0), ids, native_tail=0)
 
-    score = probe_facts(src, broken().cache, ids, PROBE_TEXT, offsets).nll
+    score = probe_facts(src, broken().prompt_cache, ids, PROBE_TEXT, offsets).nll
     kept, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score + 1)
     assert d.action == "kept" and d.probe.nll == pytest.approx(score, abs=1e-4)
     fixed, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score - 1)
     assert d.action == "re-prefilled"
     native = prefill(src, mx.array(ids[:-1])[None])
-    for a, b in zip(fixed.cache, native):
+    for a, b in zip(fixed.prompt_cache, native):
         assert mx.abs(read_layer(a)[0] - read_layer(b)[0]).max().item() < 1e-4
     more, d = guard_facts(src, broken(), ids, PROBE_TEXT, offsets, threshold=score - 1,
                           recompute=0.5)
     assert d.action == "recomputed"
-    assert abs(probe_facts(src, more.cache, ids, PROBE_TEXT, offsets).nll - score) > 1e-3
+    assert abs(probe_facts(src, more.prompt_cache, ids, PROBE_TEXT, offsets).nll - score) > 1e-3

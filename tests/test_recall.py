@@ -295,7 +295,7 @@ def test_a_default_setting_switches_with_the_translators_own_budget(monkeypatch)
     items = recall_items(FILLER, 1, 120, words, seed=1)
     t = identity_translator(m, tok)
     asked, switch_state = [], recall.switch_state
-    monkeypatch.setattr(recall, "switch_state", lambda *a: asked.append(a[-2:]) or switch_state(*a))
+    monkeypatch.setattr(recall, "switch_state", lambda *a: asked.append(a[-3:-1]) or switch_state(*a))
     result = measure_recall(m, tok, m, tok, t, items, truncations=(8,), recompute=[None, 0.2],
                             recompute_max=7, log=lambda s: None)
     assert recall.DEFAULT_RECOMPUTE in result.scores and recompute_setting(0.2, 7) in result.scores

@@ -443,8 +443,10 @@ class Session:
             report.index = len(self.reports)
             self.reports.append(report)
             if ids:
-                catch_up_gated(self, name, L, report)
-                prompt = ids
+                # The new messages choose what the catch-up recomputes, and are read
+                # in its pass where they can be (all but the last token).
+                read = catch_up_gated(self, name, L, report, question=ids)
+                prompt = ids[read:]
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
@@ -455,7 +457,7 @@ class Session:
             for v in self._views.values():
                 self._append_chunk(v, chunks[id(v)], name, v is view)
             report.new_tokens = len(ids)
-            report.prefilled += len(prompt)
+            report.prefilled += len(ids) or len(prompt)
             report.context_tokens = len(view)
             self.messages.extend(new_messages)
             self._message_pieces.extend(pieces)

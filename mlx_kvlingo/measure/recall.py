@@ -190,18 +190,19 @@ def read_source(source: nn.Module, source_tokenizer, translator: Translator, pro
 def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_tokenizer,
                  translator: Translator, prompt: str, native_tail: Optional[int] = None,
                  read=None, recompute: Optional[float] = 0.0,
-                 recompute_max: Optional[int] = 0) -> SwitchResult:
+                 recompute_max: Optional[int] = 0, select: Optional[str] = None
+                 ) -> SwitchResult:
     """The switch, from what the source holds (``read``, from :func:`read_source`;
     read now, not timed, when not given), recomputing exactly the budget given
-    (None: the translator's default)."""
+    (None: the translator's default), chosen by ``select`` (None: the file's)."""
     source_cache, source_tokens = read or read_source(source, source_tokenizer, translator,
                                                       prompt)
     if translator.cross_tokenizer:
         return switch_text(source, source_tokenizer, target, target_tokenizer, translator,
                            prompt, source_cache, native_tail, source_tokens, recompute,
-                           recompute_max)
+                           recompute_max, select=select)
     return switch(source, target, translator, source_tokens[0], source_cache, native_tail,
-                  recompute, (prompt, source_tokens[1]), recompute_max)
+                  recompute, (prompt, source_tokens[1]), recompute_max, select=select)
 
 
 def plain(item: RecallItem) -> bool:
@@ -229,12 +230,15 @@ def fact_positions(item: RecallItem, offsets: Sequence[Tuple[int, int]]) -> List
             if any(b > start and a < end for start, end in item.facts)]
 
 
-def recompute_setting(budget: Optional[float], most: int = 0) -> str:
-    """A recompute setting's name (``budget`` None: the translator's default budget)."""
+def recompute_setting(budget: Optional[float], most: int = 0,
+                      select: Optional[str] = None) -> str:
+    """A recompute setting's name (``budget`` None: the translator's default budget;
+    ``select``: how its positions are chosen, None: the file's way)."""
+    by = f" by {select}" if select else ""
     if budget is None:
-        return DEFAULT_RECOMPUTE
+        return DEFAULT_RECOMPUTE + by
     cap = f" (at most {most})" if most else ""
-    return f"switch + recompute {budget:.0%}{cap}"
+    return f"switch + recompute {budget:.0%}{cap}{by}"
 
 
 # A run over many items takes long on a big target (a minute an item for a 1.5B on
@@ -281,14 +285,15 @@ def measure_recall(
     recompute: Sequence[Optional[float]] = (), oracle: bool = False,
     log: Callable[[str], None] = print, source_name: str = "source",
     target_name: str = "target", checkpoint: Optional[Union[str, Path]] = None,
-    recompute_max: int = 0,
+    recompute_max: int = 0, selections: Sequence[Optional[str]] = (None,),
 ) -> RecallResult:
     """Score every item under every setting (module docstring), items in order and
     settings interleaved per item so that the machine's load is shared alike.
 
     ``recompute``: budgets (fractions of the context) of switches whose fact-like
     words the target recomputes (``switching.recompute.salient_spans``), each at most
-    ``recompute_max`` positions (0: no limit); ``oracle``:
+    ``recompute_max`` positions (0: no limit), each chosen in every way of
+    ``selections`` (switching.api.SELECTIONS; None: the file's own); ``oracle``:
     also a switch that recomputes the item's fact sentence, which only the item
     knows. Each switch setting gets its own equal-time truncation.
 
@@ -300,7 +305,9 @@ def measure_recall(
     def add(setting, score):
         scores.setdefault(setting, []).append(score)
 
-    recomputed = [recompute_setting(b, recompute_max) for b in recompute]
+    budgets = [(recompute_setting(b, recompute_max, sel), b, sel)
+               for b in recompute for sel in selections]
+    recomputed = [name for name, _, _ in budgets]
     switches = [SWITCH] + recomputed + ([ORACLE] if oracle else [])
     per_item = ([NATIVE] + switches + [f"last {n}" for n in truncations] + [NONE])
     done = load_checkpoint(checkpoint, items, per_item)
@@ -319,15 +326,16 @@ def measure_recall(
         add(NATIVE, score_state(target, target_tokenizer, native_state(target, ids), answer,
                                 item.answer, plain(item)))
         read = read_source(source, source_tokenizer, translator, item.prompt)
-        choices = [(SWITCH, 0.0, None)] + [(name, b, None) for name, b in zip(recomputed,
-                                                                               recompute)]
+        choices = [(SWITCH, 0.0, None, None)] + [(name, b, None, sel)
+                                                 for name, b, sel in budgets]
         if oracle:
             choices.append((ORACLE, 0.0, lambda end: merge_spans(
-                fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end)))
-        for setting, share, select in choices:
+                fact_positions(item, offsets), lo=translator.spec.native_prefix, hi=end),
+                None))
+        for setting, share, select, way in choices:
             state = switch_state(source, source_tokenizer, target, target_tokenizer,
                                  translator, item.prompt, native_tail, read, share,
-                                 None if share is None else recompute_max)
+                                 None if share is None else recompute_max, way)
             if select is not None:
                 state.deferred = select(len(ids) - state.pending.size)
                 state.context = list(ids)
