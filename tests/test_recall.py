@@ -371,3 +371,36 @@ def test_plain_items_are_scored_per_kind_with_their_matching(monkeypatch):
                                      "yesno (1) | combined (1) | code (1) |")
     assert len(table.splitlines()) == 2 + len(result.scores)
     assert result.to_dict()["summary"][NATIVE]["nll_by_kind"] == nll
+
+
+def test_eval_task_recall_takes_kind_groups(monkeypatch):
+    """`mlx-kvlingo eval --task recall --kinds plain` scores the plain kinds; an
+    unknown kind is one line of error, before any model is loaded."""
+    from typer.testing import CliRunner
+
+    import mlx_kvlingo.measure.recall as recall
+    import mlx_kvlingo.pairs.shipped as shipped
+    from mlx_kvlingo_cli import main
+
+    asked = []
+
+    def fake_run(source, target, translator, tokens, items, kinds, **kw):
+        asked.append(list(kinds))
+        its = plain_items(2, kinds=kinds, tokens=120)
+        score = recall.RecallScore(True, 0.5, 0.1, " yes", 100)
+        return recall.RecallResult(source, target, its, {NATIVE: [score] * len(its)})
+
+    monkeypatch.setattr(recall, "run_recall",
+                        lambda s, t, tr, tokens, items, **kw: fake_run(s, t, tr, tokens, items,
+                                                                       **kw))
+    monkeypatch.setattr(shipped, "translator_for", lambda *a: None)
+    monkeypatch.setattr(main, "_warn_if_slow_blas", lambda: None)
+    runner = CliRunner()
+    args = ["eval", "--task", "recall", "--source", "a", "--target", "b"]
+    out = runner.invoke(main.app, args + ["--kinds", "plain"])
+    assert out.exit_code == 0, out.output
+    assert asked == [list(PLAIN_KINDS)] and "place (1)" in out.output
+    out = runner.invoke(main.app, args)
+    assert asked[-1] == list(KINDS)
+    out = runner.invoke(main.app, args + ["--kinds", "plain,colour"])
+    assert out.exit_code == 1 and "colour" in out.output and len(asked) == 2
