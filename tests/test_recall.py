@@ -404,3 +404,23 @@ def test_eval_task_recall_takes_kind_groups(monkeypatch):
     assert asked[-1] == list(KINDS)
     out = runner.invoke(main.app, args + ["--kinds", "plain,colour"])
     assert out.exit_code == 1 and "colour" in out.output and len(asked) == 2
+
+
+def test_a_yes_no_answer_nll_is_its_likeliest_spelling():
+    """After "Answer:" models write " Yes" as readily as " yes": the answer NLL is the
+    likelier of the two; other kinds have one spelling."""
+    from mlx_kvlingo.measure.recall import answer_tokens, answer_variants, native_state, score_state
+
+    m = tiny_model("qwen3")
+    tok = WordTokenizer()
+    for item in plain_items(2, kinds=["yesno"], tokens=120):
+        ids = tok.encode(item.prompt)
+        lower = answer_tokens(tok, ids, item.prompt, item.answer)
+        (upper,) = answer_variants(tok, ids, item)
+        assert tok.decode(upper) == " " + item.answer.strip().title() != tok.decode(lower)
+        each = [score_state(m, tok, native_state(m, ids), a, item.answer, True).answer_nll
+                for a in (lower, upper)]
+        both = score_state(m, tok, native_state(m, ids), lower, item.answer, True, [upper])
+        assert both.answer_nll == pytest.approx(min(each), abs=1e-5) and each[0] != each[1]
+    place = plain_items(1, kinds=["place"], tokens=120)[0]
+    assert answer_variants(tok, tok.encode(place.prompt), place) == []
