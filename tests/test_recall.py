@@ -424,3 +424,11 @@ def test_a_yes_no_answer_nll_is_its_likeliest_spelling():
         assert both.answer_nll == pytest.approx(min(each), abs=1e-5) and each[0] != each[1]
     place = plain_items(1, kinds=["place"], tokens=120)[0]
     assert answer_variants(tok, tok.encode(place.prompt), place) == []
+
+
+def test_a_conversation_gives_both_facts_of_a_combined_item_to_its_first_reader():
+    from mlx_kvlingo.measure.session_recall import pieces
+
+    for item in plain_items(6, kinds=["combined"], depths=[0.3]):
+        first = pieces(item)[0]
+        assert all(b <= len(first) for _, b in item.facts)
