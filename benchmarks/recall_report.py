@@ -1,6 +1,6 @@
 """A markdown page from `benchmarks/recall.py --json` files: per run, every setting's
 exact match, answer NLL and time to first token with 95 % bootstrap intervals over
-items, the paired differences that matter, and exact match by kind of fact.
+items, the paired differences that matter, and exact match and answer NLL by kind of fact.
 
     python benchmarks/recall_report.py benchmarks/results/recall-*.json > page.md
 """
@@ -98,6 +98,15 @@ def page(runs) -> str:
         for s in settings:
             by = run["summary"][s]["by_kind"]
             out.append(f"| {s} | " + " | ".join(f"{by.get(k, 0):.2f}" for k in kinds) + " |")
+        out += ["", "| answer NLL by kind (nats per token) | " + " | ".join(kinds) + " |",
+                "|---|" + "---|" * len(kinds)]
+        for s in settings:
+            cells = []
+            for k in kinds:
+                nlls = [x["answer_nll"] for i, x in zip(run["items"], run["scores"][s])
+                        if i["kind"] == k]
+                cells.append(f"{statistics.mean(nlls):.2f}")
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
         bins = [(0.0, 0.15, "first 15 %"), (0.15, 0.4, "15-40 %"), (0.4, 1.0, "past 40 %")]
         out += ["", "| exact match by the fact's depth | " + " | ".join(
             f"{name} ({sum(lo <= i['depth'] < hi for i in run['items'])} items)"

@@ -67,9 +67,18 @@ CODE = ["\n\n".join(f"def step_{p}_{i}(value):\n    result = value + {i}\n"
                     for i in range(10)) for p in range(30)]
 
 
+# Filler that mentions a third of every vocabulary's words, which an item must then
+# leave out of its context.
+NOISE = [w for v in ("_OBJECTS", "_PLACES", "_ROLES", "_CONTAINERS")
+         for w in getattr(data_recall, v)[::3]]
+NOISY = [f"{text} The {NOISE[i % len(NOISE)]} was seen once. Nobody spoke of the "
+         f"{NOISE[(i * 7 + 3) % len(NOISE)]} again." for i, text in enumerate(FILLER * 2)]
+
+
 def plain_items(count=60, depths=(0.05, 0.25, 0.5, 0.9), seed=3, kinds="plain", tokens=300):
-    return recall_items(FILLER, count, tokens, words, kinds=kinds, depths=depths, seed=seed,
-                        code_filler=CODE)
+    return recall_items(NOISY, count, tokens, words, kinds=kinds, depths=depths, seed=seed,
+                        code_filler=CODE + [f"{w} = None  # the {w}" for w in
+                                            data_recall._OBJECTS[::3]])
 
 
 def said(word, text):
@@ -96,11 +105,12 @@ def test_plain_kinds_hold_ordinary_words_stated_only_in_the_fact():
 
 
 def test_the_combined_kind_needs_both_facts():
-    items = plain_items(30, kinds=["combined"])
+    items = plain_items(40, kinds=["combined"])
     for item in items:
         assert len(item.facts) == 2
         (a, b), (c, d) = item.facts
-        assert b < c  # apart, the first at the asked depth
+        # Apart: the second a good way on from the first (at the asked depth).
+        assert c / len(item.context) - item.depth >= 0.25 * (1 - item.depth)
         first, second = item.context[a:b], item.context[c:d]
         answer = item.answer.strip()
         assert said(answer, first) != said(answer, second)  # in exactly one of them
@@ -108,8 +118,11 @@ def test_the_combined_kind_needs_both_facts():
         asked = [w for w in re.findall(r"[a-z]+", item.cue) if w in data_recall._OBJECTS]
         assert asked and all(said(w, first + second) for w in asked)
         assert all(not said(w, first if said(answer, first) else second) for w in asked)
-    # The sentence holding the answer comes first in some items, second in others.
-    assert len({said(i.answer.strip(), i.context[slice(*i.fact)]) for i in items}) == 2
+    # Of each phrasing's two sentences, either may come first.
+    orders = {}
+    for i in items:
+        orders.setdefault(i.template, set()).add(said(i.answer.strip(), i.context[slice(*i.fact)]))
+    assert orders == {t: {True, False} for t in range(len(TEMPLATES["combined"]))}
 
 
 @pytest.mark.parametrize("depth", [0.05, 0.3, 0.6, 0.9])
@@ -329,3 +342,93 @@ def test_a_rerun_resumes_from_the_checkpoint(tmp_path):
     measure_recall(m, tok, m, tok, t, items, truncations=(8,), recompute=[0.2],
                    log=logs.append, checkpoint=path)
     assert sum("item " in line for line in logs) == 3
+
+
+def test_plain_items_are_scored_per_kind_with_their_matching(monkeypatch):
+    """Plain answers are matched in any case, the others as they are; exact match and
+    answer NLL come per kind."""
+    import mlx_kvlingo.measure.recall as recall
+
+    m = tiny_model("qwen3")
+    tok = WordTokenizer()
+    items = (recall_items(FILLER, 2, 120, words, seed=1)
+             + plain_items(3, kinds=["yesno", "combined", "code"], tokens=120))
+    asked, matches_ = [], recall.matches
+    monkeypatch.setattr(recall, "matches",
+                        lambda said, answer, plain=False: asked.append((answer, plain))
+                        or matches_(said, answer, plain))
+    result = measure_recall(m, tok, m, tok, identity_translator(m, tok), items,
+                            truncations=(8,), oracle=True, log=lambda s: None)
+    per_item = len(asked) // len(items) - 1  # the equal-time truncation's come last
+    for k, item in enumerate(items):
+        flags = {plain for answer, plain in asked[k * per_item:(k + 1) * per_item]}
+        assert flags == {item.kind in PLAIN_KINDS}
+    nll = result.nll_by_kind(NATIVE)
+    assert set(nll) == {"number", "name", "yesno", "combined", "code"}
+    assert nll["code"] == result.scores[NATIVE][-1].answer_nll
+    table = format_kinds(result)
+    assert table.splitlines()[0] == ("| exact match / answer NLL | number (1) | name (1) | "
+                                     "yesno (1) | combined (1) | code (1) |")
+    assert len(table.splitlines()) == 2 + len(result.scores)
+    assert result.to_dict()["summary"][NATIVE]["nll_by_kind"] == nll
+
+
+def test_eval_task_recall_takes_kind_groups(monkeypatch):
+    """`mlx-kvlingo eval --task recall --kinds plain` scores the plain kinds; an
+    unknown kind is one line of error, before any model is loaded."""
+    from typer.testing import CliRunner
+
+    import mlx_kvlingo.measure.recall as recall
+    import mlx_kvlingo.pairs.shipped as shipped
+    from mlx_kvlingo_cli import main
+
+    asked = []
+
+    def fake_run(source, target, translator, tokens, items, kinds, **kw):
+        asked.append(list(kinds))
+        its = plain_items(2, kinds=kinds, tokens=120)
+        score = recall.RecallScore(True, 0.5, 0.1, " yes", 100)
+        return recall.RecallResult(source, target, its, {NATIVE: [score] * len(its)})
+
+    monkeypatch.setattr(recall, "run_recall",
+                        lambda s, t, tr, tokens, items, **kw: fake_run(s, t, tr, tokens, items,
+                                                                       **kw))
+    monkeypatch.setattr(shipped, "translator_for", lambda *a: None)
+    monkeypatch.setattr(main, "_warn_if_slow_blas", lambda: None)
+    runner = CliRunner()
+    args = ["eval", "--task", "recall", "--source", "a", "--target", "b"]
+    out = runner.invoke(main.app, args + ["--kinds", "plain"])
+    assert out.exit_code == 0, out.output
+    assert asked == [list(PLAIN_KINDS)] and "place (1)" in out.output
+    out = runner.invoke(main.app, args)
+    assert asked[-1] == list(KINDS)
+    out = runner.invoke(main.app, args + ["--kinds", "plain,colour"])
+    assert out.exit_code == 1 and "colour" in out.output and len(asked) == 2
+
+
+def test_a_yes_no_answer_nll_is_its_likeliest_spelling():
+    """After "Answer:" models write " Yes" as readily as " yes": the answer NLL is the
+    likelier of the two; other kinds have one spelling."""
+    from mlx_kvlingo.measure.recall import answer_tokens, answer_variants, native_state, score_state
+
+    m = tiny_model("qwen3")
+    tok = WordTokenizer()
+    for item in plain_items(2, kinds=["yesno"], tokens=120):
+        ids = tok.encode(item.prompt)
+        lower = answer_tokens(tok, ids, item.prompt, item.answer)
+        (upper,) = answer_variants(tok, ids, item)
+        assert tok.decode(upper) == " " + item.answer.strip().title() != tok.decode(lower)
+        each = [score_state(m, tok, native_state(m, ids), a, item.answer, True).answer_nll
+                for a in (lower, upper)]
+        both = score_state(m, tok, native_state(m, ids), lower, item.answer, True, [upper])
+        assert both.answer_nll == pytest.approx(min(each), abs=1e-5) and each[0] != each[1]
+    place = plain_items(1, kinds=["place"], tokens=120)[0]
+    assert answer_variants(tok, tok.encode(place.prompt), place) == []
+
+
+def test_a_conversation_gives_both_facts_of_a_combined_item_to_its_first_reader():
+    from mlx_kvlingo.measure.session_recall import pieces
+
+    for item in plain_items(6, kinds=["combined"], depths=[0.3]):
+        first = pieces(item)[0]
+        assert all(b <= len(first) for _, b in item.facts)

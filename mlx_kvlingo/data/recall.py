@@ -14,8 +14,8 @@ nothing marks as a fact: a common noun or a place, who did what to whom, a yes/n
 question about something said once, two facts that must be combined, a made-up
 term defined in words and used later, and a helper's behaviour described in a
 comment of Python code. Their answers are lowercase common words drawn at random
-from large vocabularies (no digit, capital or underscore), and none of an item's
-answer words occurs in its filler.
+from large vocabularies (no digit, capital or underscore), and none of the
+common words an item uses occurs in its filler.
 
 Cues are completions ("... the locker code is") rather than questions, so base
 models and instruction models are scored alike; a cue restates the fact's

@@ -138,13 +138,16 @@ def matches(said: str, answer: str, plain: bool = False) -> bool:
 
 
 def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: Sequence[int],
-                answer: str, plain: bool = False) -> RecallScore:
+                answer: str, plain: bool = False,
+                variants: Sequence[Sequence[int]] = ()) -> RecallScore:
     """Answer from ``state`` (a cache and the tokens the target still reads, ending
     with the cue's last; a deferred recompute is done in that first pass): the
     greedy answer, timed from ``state.translate_s`` seconds already spent, and the
     answer's teacher-forced NLL read on a copy of the state (``plain``: matched as
-    :func:`matches` does plain answers)."""
-    forced = state.copy()
+    :func:`matches` does plain answers). ``variants``: other spellings of the same
+    answer (" Yes" for " yes"), each read on its own copy; the NLL is the likeliest
+    spelling's."""
+    forced = [state.copy() for _ in range(1 + len(variants))]
     read = state.context_length
     t0 = time.perf_counter()
     logits = state.read(target)[:, -1]
@@ -155,8 +158,11 @@ def score_state(target: nn.Module, tokenizer, state: SwitchResult, answer_ids: S
         logits = target(mx.array([[said[-1]]]), cache=state.cache)[:, -1]
         said.append(int(mx.argmax(logits, axis=-1).item()))
     text = tokenizer.decode(said)
-    lp = log_softmax(forced.read(target, answer_ids[:-1], keep=len(answer_ids)))
-    answer_nll = nll(lp, mx.array([list(answer_ids)])).mean().item()
+    nlls = []
+    for copy, ids in zip(forced, [answer_ids, *variants]):
+        lp = log_softmax(copy.read(target, ids[:-1], keep=len(ids)))
+        nlls.append(nll(lp, mx.array([list(ids)])).mean().item())
+    answer_nll = min(nlls)
     return RecallScore(matches(text, answer, plain), answer_nll, ttft, text, read)
 
 
@@ -208,6 +214,14 @@ def switch_state(source: nn.Module, source_tokenizer, target: nn.Module, target_
 def plain(item: RecallItem) -> bool:
     """Whether the item's answer is in ordinary words (matched in any case)."""
     return item.kind in PLAIN_KINDS
+
+
+def answer_variants(tokenizer, prompt_ids: List[int], item: RecallItem) -> List[List[int]]:
+    """Other spellings of the answer whose NLL counts as well: a yes/no answer after
+    "Answer:" capitalized (" Yes", " No"), as models are wont to write it."""
+    if item.kind != "yesno":
+        return []
+    return [answer_tokens(tokenizer, prompt_ids, item.prompt, " " + item.answer.strip().title())]
 
 
 # ---------------------------------------------------------------------------
@@ -318,13 +332,14 @@ def measure_recall(
         ids, offsets = tokenize_with_offsets(target_tokenizer, item.prompt)
         answer = answer_tokens(target_tokenizer, ids, item.prompt, item.answer)
         cue = len(target_tokenizer.encode(item.cue, add_special_tokens=False))
-        prepared.append((ids, answer))
+        variants = answer_variants(target_tokenizer, ids, item)
+        prepared.append((ids, answer, variants))
         if i in done:
             for setting in per_item:
                 add(setting, done[i][setting])
             continue
         add(NATIVE, score_state(target, target_tokenizer, native_state(target, ids), answer,
-                                item.answer, plain(item)))
+                                item.answer, plain(item), variants))
         read = read_source(source, source_tokenizer, translator, item.prompt)
         choices = [(SWITCH, 0.0, None, None)] + [(name, b, None, sel)
                                                  for name, b, sel in budgets]
@@ -344,29 +359,29 @@ def measure_recall(
             probe = probe_facts(target, probed, ids, item.prompt, offsets,
                                 lo=translator.spec.native_prefix)
             score = score_state(target, target_tokenizer, state, answer, item.answer,
-                                plain(item))
+                                plain(item), variants)
             score.probe = probe.nll if probe else None
             add(setting, score)
         for setting, n in [(f"last {n}", n) for n in truncations] + [(NONE, cue)]:
             add(setting, score_state(target, target_tokenizer,
                                      native_state(target, truncated_ids(ids, n, bos)), answer,
-                                     item.answer, plain(item)))
+                                     item.answer, plain(item), variants))
         save_item(checkpoint, item, {k: scores[k][-1] for k in per_item})
         log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
             + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
     # The equal-time baselines: as many recent tokens as each switch's time allows.
     times = {n: statistics.median(s.ttft_s for s in scores[f"last {n}"]) for n in truncations}
-    times[statistics.median(len(ids) for ids, _ in prepared)] = statistics.median(
+    times[statistics.median(len(ids) for ids, _, _ in prepared)] = statistics.median(
         s.ttft_s for s in scores[NATIVE])
     equal = {}
     for setting in [SWITCH] + recomputed:
         n_eq = equal_time_tokens(times, statistics.median(s.ttft_s for s in scores[setting]))
         equal[setting] = n_eq
         name = EQUAL_TIME if setting == SWITCH else f"{EQUAL_TIME} ({setting})"
-        for item, (ids, answer) in zip(items, prepared):
+        for item, (ids, answer, variants) in zip(items, prepared):
             add(name, score_state(target, target_tokenizer,
                                   native_state(target, truncated_ids(ids, n_eq, bos)), answer,
-                                  item.answer, plain(item)))
+                                  item.answer, plain(item), variants))
     return RecallResult(source_name, target_name, list(items), scores, equal[SWITCH],
                         {"equal_time_tokens": json.dumps(equal)})
 

@@ -35,11 +35,11 @@ SWITCHED, REPREFILL = "session switch", "session re-prefill"
 
 def pieces(item: RecallItem) -> Tuple[str, str, str]:
     """The item's context in three pieces at word boundaries: the text after the
-    fact sentence is cut in thirds, and piece 1 is everything up to the end of the
+    (last) fact sentence is cut in thirds, and piece 1 is everything up to the end of the
     first third. So the fact is followed, in its own piece, by a third of what comes
     after it: a catch-up computes its last tokens natively (the translators' native
     tail), and a fact at the very end of its piece would never be translated."""
-    text, end = item.context, item.fact[1]
+    text, end = item.context, max(b for _, b in item.facts)  # every fact sentence
     cuts = [m.start() for m in re.finditer(r"\s+\S", text)]
     after = [c for c in cuts if c > end]
     if len(after) < 3:
