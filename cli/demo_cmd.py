@@ -49,7 +49,8 @@ def register(app: typer.Typer):
         windows: Optional[int] = typer.Option(
             None, help="Held-out windows for CBR and its interval (default 48; 16 with --real)."),
         context: int = typer.Option(256, help="Context length in target tokens."),
-        max_tokens: int = typer.Option(24, help="Greedy tokens generated after the switch."),
+        max_tokens: int = typer.Option(24, "--max-tokens", "-m",
+                                       help="Greedy tokens generated after the switch."),
         repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
         fit_tokens: int = typer.Option(50_000, help="Positions for the built-in stage-1 fit."),
         translators: Optional[Path] = typer.Option(

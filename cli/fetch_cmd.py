@@ -21,7 +21,7 @@ def register(app: typer.Typer):
             show_default=False,
         ),
         model: Optional[List[str]] = typer.Option(
-            None, "--model", "-m",
+            None, "--model",
             help="A model or group, as the arguments; repeat for several.",
         ),
         cache_dir: Optional[Path] = typer.Option(

@@ -27,6 +27,16 @@ def _progressbar(total: int, label: str):
     return typer.progressbar(length=total, label=label)
 
 
+# Options shared by the commands that generate, named and meant as in mlx_lm.generate.
+MAX_TOKENS_HELP = "Maximum number of tokens to generate."
+TEMP_HELP = "Sampling temperature (0: greedy)."
+TOP_P_HELP = "Sampling top-p (1: off)."
+SEED_HELP = "PRNG seed for sampling."
+PROMPT_HELP = "The context / question ('-' reads from stdin)."
+KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default there: "
+                       "dequantized and cast to float32, which runs faster there).")
+
+
 CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .txt/.jsonl "
                "file or directory, or hf:OWNER/NAME (a hub dataset); mix with + "
                "(stdlib*2+austen: docstrings weighed twice).")
@@ -40,6 +50,10 @@ CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .tx
 def inspect(
     model: Optional[str] = typer.Argument(None, help="Also describe this model's cache."),
     gemm_size: int = typer.Option(1024, help="Matrix size for the GEMM measurement."),
+    keep_quantized: bool = typer.Option(False, help="Describe MODEL as loaded quantized "
+                                        "(see `switch --keep-quantized`)."),
+    adapter_path: Optional[str] = typer.Option(None, help="LoRA adapters for MODEL (mlx-lm)."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of MODEL."),
 ):
     """Report the device, the BLAS in use and a measured fp32 GEMM rate."""
     import mlx.core as mx
@@ -66,14 +80,15 @@ def inspect(
             fg="yellow",
         )
     if model:
-        _run(lambda: _describe_model(model))
+        _run(lambda: _describe_model(model, keep_quantized=keep_quantized,
+                                     adapter_path=adapter_path, revision=revision))
 
 
-def _describe_model(path: str):
+def _describe_model(path: str, **options):
     from mlx_kvlingo.models.geometry import cache_geometry
     from mlx_kvlingo.models.load import load
 
-    m, _ = load(path)
+    m, _ = load(path, **options)
     g = cache_geometry(m)
     typer.echo(f"\n{path}: {g.model_type}, {g.n_layers} layers, cache dtype {g.dtype}, "
                f"fingerprint {g.fingerprint()}")
@@ -173,6 +188,7 @@ def compress(
     bits: Optional[int] = typer.Option(None, help="Save quantized to 8 or 4 bits."),
     fold_tokens: bool = typer.Option(False, help="Fold the token maps into the projection "
                                      "(loads the target too)."),
+    keep_quantized: bool = typer.Option(False, help=KEEP_QUANTIZED_HELP),
 ):
     """Compress a translator: every map reads one shared low-rank projection of the
     source layers instead of its own concatenation of them (a cheaper switch). A
@@ -187,13 +203,13 @@ def compress(
         if bits not in (None, 4, 8):
             fail(f"--bits takes 8 or 4, not {bits}.")
         t = translator_for(source, target, translator)
-        src, src_tok = load(source)
+        src, src_tok = load(source, keep_quantized=keep_quantized)
         if cache_geometry(src) != t.spec.source.cache_geometry:
             fail(f"{source} is not the source model this translator was made for "
                  f"({t.spec.source.name}).")
         # A compressed file is compressed again as it was made (token maps folded or not).
         fold = fold_tokens or bool(t.spec.shared_tokens)
-        tgt, tgt_tok = load(target) if fold else (None, None)
+        tgt, tgt_tok = load(target, keep_quantized=keep_quantized) if fold else (None, None)
         small, r = compress_on_corpus(src, src_tok, t, key_rank, value_rank, corpus, tokens,
                                       target=tgt, target_tokenizer=tgt_tok)
         small.save(out, bits=bits)
@@ -388,7 +404,7 @@ def eval_cmd(
     tokens: int = typer.Option(550, help="--task recall: context length in target tokens."),
     items: int = typer.Option(48, help="--task recall: items (facts asked for)."),
     recompute: str = typer.Option(
-        "", help="--task recall: comma-separated budgets (0.1 = 10%% of the context) of "
+        "", help="--task recall: comma-separated budgets (0.1 = 10% of the context) of "
         "switches whose fact-like words the target recomputes."),
     recompute_max: int = typer.Option(
         0, help="--task recall: the most positions each budget may come to (0: no limit)."),
@@ -464,6 +480,31 @@ def _prompt_tokens(tokenizer, prompt: str, raw: bool):
     return tokenizer.encode(prompt)
 
 
+def _switch_printer(echo=None):
+    """``on_text(kind, segment)`` for :func:`run_switch`: prints each answer's
+    segments as they are generated, under a header when the answer starts."""
+    from mlx_kvlingo_cli.common import echo_stream
+
+    write = echo or echo_stream()
+    headers = {"switch": "--- target after switch ---\n",
+               "prefill": "--- target after re-prefill ---\n"}
+    seen = []
+
+    def on_text(kind, segment):
+        if kind not in seen:
+            write(("\n" if seen else "") + headers[kind])
+            seen.append(kind)
+        write(segment)
+
+    def start(kind):  # an answer's header even when it is empty
+        if kind not in seen:
+            on_text(kind, "")
+
+    on_text.start = start
+    on_text.seen = seen
+    return on_text
+
+
 @app.command("switch")
 def switch_cmd(
     source: str = typer.Option(..., help="Model that reads the context."),
@@ -471,10 +512,14 @@ def switch_cmd(
     translator: Optional[Path] = typer.Option(
         None, help="Translator file for source -> target (default: the shipped one, for "
         "--source smollm2 --target gemma3 and back)."),
-    prompt: Optional[str] = typer.Option(None, help="The context / question."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help=PROMPT_HELP),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
-    max_tokens: int = typer.Option(64),
-    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-m", help=MAX_TOKENS_HELP),
+    temp: float = typer.Option(0.0, help=TEMP_HELP),
+    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
+    seed: Optional[int] = typer.Option(None, help=SEED_HELP),
+    raw: bool = typer.Option(False, "--ignore-chat-template", "--raw",
+                             help="Use the raw prompt without the tokenizer's chat template."),
     compare: bool = typer.Option(False, help="Also re-prefill the target and compare."),
     gate: bool = typer.Option(False, help="Quality gate: the target scores the context's "
                               "last tokens on the translated cache and re-prefills when the "
@@ -483,7 +528,7 @@ def switch_cmd(
         None, help="Gate threshold (nats/token over the no-context NLL; default: the "
         "translator's recorded one, else 0)."),
     recompute: Optional[float] = typer.Option(
-        None, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
+        None, help="Share of the context (0.1 = 10%) the target recomputes itself after the "
         "translation, on the words that look like facts (numbers, names, identifiers): "
         "what a translated cache loses first. Default: the translator's (see "
         "`mlx-kvlingo defaults`)."),
@@ -494,19 +539,24 @@ def switch_cmd(
         None, help="Fact probe threshold (nats): the target is asked to continue the "
         "context's most fact-like words on the switched cache, and re-prefills when their "
         "mean NLL is above this (the translation lost them)."),
+    keep_quantized: bool = typer.Option(False, help=KEEP_QUANTIZED_HELP),
 ):
-    """The source reads the prompt, its cache is translated, the target answers."""
+    """The source reads the prompt, its cache is translated, the target answers;
+    the answer is printed as it is generated."""
 
     from mlx_kvlingo.measure.compare import run_switch
     from mlx_kvlingo.pairs.shipped import translator_for
+    from mlx_kvlingo_cli.common import make_sampler, read_prompt
 
     def go():
         _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
-        text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+        text = read_prompt(prompt, prompt_file)
+        sampler = make_sampler(temp, top_p, seed)
         t = translator_for(source, target, translator)
-        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo,
+                                               keep_quantized=keep_quantized)
         t.check_models(src, tgt, src_tok, tgt_tok)
         if t.cross_tokenizer:
             if not raw:
@@ -524,8 +574,15 @@ def switch_cmd(
             from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
+        printer = _switch_printer()
+        # The switched cache is built here; the answers stream through the printer.
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
-                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max)
+                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max,
+                       sampler=sampler, on_text=printer)
+        printer.start("switch")
+        if compare:
+            printer.start("prefill")
+        typer.echo()
         if "fact_gate" in r:
             f = r["fact_gate"]
             nll = "none" if f["probe_nll"] is None else f"{f['probe_nll']:.3f} nats"
@@ -536,13 +593,10 @@ def switch_cmd(
             typer.echo(f"--- gate: score {g['score']:+.3f} nats (threshold {g['threshold']:+.3f}) "
                        f"on {g['tokens']} tokens: " + (g["reason"] and "re-prefilled: "
                        + g["reason"] or "translation kept"))
-        typer.echo(f"--- target after switch ({r['context_tokens']} context tokens) ---")
-        typer.echo(r["switch_answer"])
         typer.echo(f"--- time to first token after switch: {r['switch_ttft_s'] * 1e3:.1f} ms "
-                   f"(translate {r['translate_s'] * 1e3:.1f} ms)")
+                   f"(translate {r['translate_s'] * 1e3:.1f} ms; {r['context_tokens']} "
+                   "context tokens)")
         if compare:
-            typer.echo("--- target after re-prefill ---")
-            typer.echo(r["prefill_answer"])
             typer.echo(f"--- time to first token after re-prefill: {r['prefill_ttft_s'] * 1e3:.1f} ms; "
                        f"switch is {r['ratio']:.1f}x faster; answers agree on the first "
                        f"{r['agreeing_prefix']} of {len(r['switch_tokens'])} tokens")
@@ -556,7 +610,7 @@ def defaults(
     native_tail: Optional[int] = typer.Option(
         None, help="Last context tokens the target computes itself at a switch."),
     recompute: Optional[float] = typer.Option(
-        None, help="Share of the context (0.1 = 10%%) the target recomputes itself at a "
+        None, help="Share of the context (0.1 = 10%) the target recomputes itself at a "
         "switch, on its fact-like words (0: none)."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions that share may come to (0: no limit)."),

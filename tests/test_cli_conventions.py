@@ -1,0 +1,166 @@
+"""The CLI follows mlx-lm's conventions: `-m` is `--max-tokens`, `--prompt -` reads
+standard input, `--temp` / `--top-p` / `--seed` sample, `switch` prints its answer as
+it is generated, and no help text shows a doubled percent sign."""
+
+import io
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from mlx_kvlingo_cli.common import echo_stream, make_sampler, read_prompt
+from mlx_kvlingo_cli.main import _switch_printer, app
+
+TOY = Path(__file__).resolve().parents[1] / "mlx_kvlingo" / "assets" / "toy_pair"
+TOY_TRANSLATOR = TOY / "source-to-target.safetensors"
+
+
+def commands():
+    """{name: click command} for every command and subcommand of the app."""
+    found = {}
+
+    def walk(cmd, prefix):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            if isinstance(sub, click.Group):
+                walk(sub, f"{prefix}{name} ")
+            else:
+                found[f"{prefix}{name}"] = sub
+
+    walk(typer.main.get_command(app), "")
+    return found
+
+
+def _known_exception(name):
+    # `serve`'s options are defined in cli/serve_cmd.py; it still uses -m for
+    # --model and doubles %: strict, so this fails once it is brought in line.
+    if name == "serve":
+        return pytest.mark.xfail(strict=True, reason="serve's options not yet aligned")
+    return ()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_known_exception(n))
+                                  for n in sorted(commands())])
+def test_dash_m_is_max_tokens_wherever_it_is_used(name):
+    for param in commands()[name].params:
+        if "-m" in getattr(param, "opts", []):
+            assert param.name == "max_tokens" and "--max-tokens" in param.opts, (name, param)
+
+
+def test_commands_that_generate_take_dash_m():
+    for name in ("switch", "chat", "demo"):
+        opts = [p for p in commands()[name].params if p.name == "max_tokens"][0].opts
+        assert "-m" in opts and "--max-tokens" in opts, name
+    for name in ("switch", "chat"):
+        names = {p.name for p in commands()[name].params}
+        assert {"temp", "top_p", "seed"} <= names, name
+    assert "--prompt-cache-file" in [o for p in commands()["convert-cache"].params
+                                     for o in getattr(p, "opts", [])]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_known_exception(n))
+                                  for n in sorted(commands())])
+def test_help_shows_no_doubled_percent(name):
+    result = CliRunner().invoke(app, [*name.split(), "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "%%" not in result.output
+
+
+def test_read_prompt_dash_reads_stdin(tmp_path):
+    assert read_prompt("-", stdin=io.StringIO("from stdin")) == "from stdin"
+    assert read_prompt("plain") == "plain"
+    f = tmp_path / "p.txt"
+    f.write_text("from a file")
+    assert read_prompt(None, f) == "from a file"
+    assert read_prompt(None) is None
+
+
+def test_make_sampler_greedy_at_temp_0_and_seeded():
+    import mlx.core as mx
+
+    assert make_sampler(0.0) is None
+    logprobs = mx.log(mx.array([[0.25, 0.25, 0.25, 0.25]]))
+    draws = [make_sampler(1.0, 1.0, seed=3)(logprobs).item() for _ in range(2)]
+    assert draws[0] == draws[1]  # the same seed, the same draw
+
+
+def test_switch_reads_stdin_honours_dash_m_and_streams(monkeypatch):
+    """`switch --prompt - -m 5 --temp 0.7`: the prompt comes from standard input,
+    max_tokens and a sampler reach the switch, and the first segment is on standard
+    output before the second is generated."""
+    from mlx_kvlingo.measure import compare
+
+    seen = {}
+
+    def fake_run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare_, **kw):
+        seen.update(context=src_tok.decode(context), max_tokens=max_tokens,
+                    sampler=kw["sampler"])
+        kw["on_text"]("switch", "first segment")
+        sys.stdout.flush()
+        seen["before_second"] = sys.stdout.buffer.getvalue().decode()
+        kw["on_text"]("switch", " second")
+        return {"context_tokens": len(context), "translate_s": 0.001,
+                "switch_ttft_s": 0.002, "switch_answer": "first segment second",
+                "switch_tokens": [1, 2]}
+
+    monkeypatch.setattr(compare, "run_switch", fake_run_switch)
+    result = CliRunner().invoke(
+        app, ["switch", "--source", str(TOY / "source"), "--target", str(TOY / "target"),
+              "--translator", str(TOY_TRANSLATOR), "--prompt", "-", "-m", "5",
+              "--temp", "0.7", "--seed", "1", "--ignore-chat-template"],
+        input="Return the sum of the list.")
+    assert result.exit_code == 0, result.output
+    assert "Return the sum of the list." in seen["context"]
+    assert seen["max_tokens"] == 5 and seen["sampler"] is not None
+    assert "first segment" in seen["before_second"]
+    assert "second" not in seen["before_second"]
+    assert "--- target after switch ---\nfirst segment second\n" in result.output
+
+
+def test_run_switch_hands_each_segment_over_while_generating(monkeypatch):
+    """On the built-in pair: every segment of the switched answer reaches the
+    printer before the next token is generated, and together they are the answer."""
+    import mlx_kvlingo as kv
+    from mlx_kvlingo.measure import compare
+
+    events = []
+    original = compare.generate_after_switch
+
+    def watched(*args, **kwargs):
+        for r in original(*args, **kwargs):
+            events.append("generated")
+            yield r
+
+    monkeypatch.setattr(compare, "generate_after_switch", watched)
+    src, src_tok = kv.load(str(TOY / "source"))
+    tgt, tgt_tok = kv.load(str(TOY / "target"))
+    t = kv.load_translator(TOY_TRANSLATOR)
+    printed = []
+
+    def write(segment):
+        events.append("printed")
+        printed.append(segment)
+
+    tokens = src_tok.encode("Return the number of items in the list, and close the file.")
+    r = compare.run_switch(src, src_tok, tgt, tgt_tok, t, tokens, 12, False,
+                           on_text=_switch_printer(write))
+    assert "".join(printed) == "--- target after switch ---\n" + r["switch_answer"]
+    # A segment is printed between two generated tokens, not only at the end.
+    first_print = events.index("printed")
+    assert first_print < len(events) - 1 - events[::-1].index("generated")
+
+
+def test_echo_stream_flushes_each_segment():
+    class Out(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            Out.flushes += 1
+
+    out = Out()
+    write = echo_stream(out)
+    write("a")
+    write("b")
+    assert out.getvalue() == "ab" and Out.flushes == 2
