@@ -371,8 +371,12 @@ def train(
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")
             raise typer.Exit(130)
+        from mlx_kvlingo import plotting
+
+        beside = ("log and plot beside it" if plotting.available() else
+                  f"the log beside it (no plot: {plotting.INSTALL_HINT})")
         typer.echo(f"Done: {summary['steps']} steps in {summary['seconds']:.0f}s "
-                   f"({summary['skipped']} skipped). Wrote {out}, log and plot beside it.")
+                   f"({summary['skipped']} skipped). Wrote {out}, {beside}.")
 
     _run(go)
 

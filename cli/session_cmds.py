@@ -252,7 +252,9 @@ def register(app: typer.Typer):
     @bench.command("ttft")
     def bench_ttft(
         json_out: Path = typer.Option(..., "--json", help="Write the results here."),
-        plot: Optional[Path] = typer.Option(None, help="PNG plot (default: beside the JSON)."),
+        plot: Optional[Path] = typer.Option(
+            None, help="PNG plot (default: beside the JSON, when matplotlib, the plot "
+            "extra, is installed)."),
         pairs: str = typer.Option(
             "smollm2:smollm2,gemma3:smollm2,smollm2:gemma3",
             help="SOURCE:TARGET pairs (paths or the built-in smollm2, gemma3, fetched once)."),
@@ -294,7 +296,11 @@ def register(app: typer.Typer):
                 raise KvlingoError("--repeats must be at least 1.")
             if rounds < 1:
                 raise KvlingoError("--rounds must be at least 1.")
-            png = plot or json_out.with_suffix(".png")
+            from mlx_kvlingo import plotting
+
+            if plot is not None and not plotting.available():
+                plotting.pyplot()  # the error naming the extra, before the long run
+            png = plot or (json_out.with_suffix(".png") if plotting.available() else None)
             result = run_ttft_benchmark(target, source, translator, lengths, n, w,
                                         json_out=json_out, plot_out=png, log=typer.echo,
                                         pairs=pairs.split(","), native_tails=tails,
@@ -304,7 +310,8 @@ def register(app: typer.Typer):
             typer.echo(format_rows(rows))
             typer.echo("\nSplit of a switch (one profiled run, ms):")
             typer.echo(format_split(rows))
-            typer.echo(f"Wrote {json_out} and {png}")
+            typer.echo(f"Wrote {json_out}" + (f" and {png}" if png else
+                                                f" (no plot: {plotting.INSTALL_HINT})"))
 
         _run(go)
 

@@ -164,3 +164,30 @@ def test_echo_stream_flushes_each_segment():
     write("a")
     write("b")
     assert out.getvalue() == "ab" and Out.flushes == 2
+
+
+def test_plots_without_matplotlib_name_the_extra(monkeypatch, tmp_path):
+    """matplotlib is the optional `plot` extra: a plot asked for without it is a
+    one-line error naming the extra; the training curve is skipped."""
+    from mlx_kvlingo import plotting
+    from mlx_kvlingo.errors import KvlingoError
+    from mlx_kvlingo.measure.ttft import plot_ttft
+    from mlx_kvlingo.train.loop import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert not plotting.available()
+    with pytest.raises(KvlingoError, match=r"mlx-kvlingo\[plot\]"):
+        plot_ttft([], tmp_path / "x.png")
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 0.5}\n')
+    assert write_plot(log, tmp_path / "curve.png") is False
+    assert not (tmp_path / "curve.png").exists()
+
+
+def test_matplotlib_is_an_extra_not_a_dependency():
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    project = config["project"]
+    assert not any(d.startswith("matplotlib") for d in project["dependencies"])
+    assert project["optional-dependencies"]["plot"] == ["matplotlib"]

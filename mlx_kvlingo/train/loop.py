@@ -452,15 +452,14 @@ def _save_all(paths, distiller: Distiller, config: RunConfig):
     t.save(paths["translator"])
 
 
-def write_plot(log_path: Path, png_path: Path):
-    """Loss/KL and CBR curves from the JSON-lines log (skipped if matplotlib is absent)."""
-    try:
-        import matplotlib
+def write_plot(log_path: Path, png_path: Path) -> bool:
+    """Loss/KL and CBR curves from the JSON-lines log; skipped (False) when
+    matplotlib, the ``plot`` extra, is not installed."""
+    from ..plotting import available, pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    if not available():
+        return False
+    plt = pyplot()
     steps, losses, ev_steps, ev_kl, ev_cbr = [], [], [], [], []
     for line in Path(log_path).read_text().splitlines():
         r = json.loads(line)
@@ -485,3 +484,4 @@ def write_plot(log_path: Path, png_path: Path):
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     os.replace(tmp, png_path)
+    return True
