@@ -13,6 +13,7 @@ from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.train.recipe import fit_translator
 from mlx_kvlingo_cli.common import fail
 from mlx_kvlingo_cli.common import run as _run
+from mlx_kvlingo_cli.common import show_progress
 from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
 app = typer.Typer(
@@ -33,6 +34,7 @@ TEMP_HELP = "Sampling temperature (0: greedy)."
 TOP_P_HELP = "Sampling top-p (1: off)."
 SEED_HELP = "PRNG seed for sampling."
 PROMPT_HELP = "The context / question ('-' reads from stdin)."
+QUIET_HELP = "No progress bars (never drawn when stderr is not a terminal)."
 KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default there: "
                        "dequantized and cast to float32, which runs faster there).")
 
@@ -267,6 +269,35 @@ def _print_progress(record: dict):
         )
 
 
+class TrainProgress:
+    """Stage 2's progress: on a terminal, a bar on stderr (step / total, ETA, loss,
+    tokens/s) with evaluations and messages printed above it; otherwise (or with
+    --quiet) the plain lines of :func:`_print_progress`."""
+
+    def __init__(self, show: bool):
+        self.show, self.bar = show, None
+
+    def __call__(self, record: dict):
+        from mlx_kvlingo.progress import around_bars, bar
+
+        if not self.show:
+            return _print_progress(record)
+        if "loss" in record and "total" in record:
+            if self.bar is None:
+                self.bar = bar(total=record["total"], initial=record["step"] - 1,
+                               desc="stage 2", progress=True, unit="step")
+            self.bar.update(record["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            if record["applied"]:
+                return
+        around_bars(_print_progress)(record)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _quiet_unless_writer(group):
     """Only rank 0 prints progress under mlx.launch (errors still reach stderr)."""
     import contextlib
@@ -332,6 +363,7 @@ def train(
         "stage 2 then trains the other layers around it, and the file records it "
         "(default: off for a new translator, as recorded for --init)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
     peer_timeout: float = typer.Option(
         1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
         "gives up on the others (a vanished machine closes no socket; the first step gets "
@@ -363,8 +395,12 @@ def train(
             eval_every=eval_every, checkpoint_every=checkpoint_every, store_pool=store_pool,
             budget_s=parse_duration(budget) if budget else None, resume=resume,
             peer_timeout=peer_timeout)
-        summary = train_translator(options, log=typer.echo, progress=_print_progress,
-                                   fit_progress=_progressbar)
+        progress = TrainProgress(show_progress(quiet) and distributed.is_writer(group))
+        try:
+            summary = train_translator(options, log=typer.echo, progress=progress,
+                                       fit_progress=_progressbar)
+        finally:
+            progress.close()
         if "steps" not in summary:  # stage 1 alone
             return
         if summary["stopped"]:
@@ -412,13 +448,14 @@ def eval_cmd(
         "switches whose fact-like words the target recomputes."),
     recompute_max: int = typer.Option(
         0, help="--task recall: the most positions each budget may come to (0: no limit)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length; or (--task recall) long-range recall
     with exact match, answer NLL and time to first token."""
     if task == "recall":
         return _recall(source, target, translator, tokens, items, recompute, json_out,
-                       recompute_max)
+                       recompute_max, quiet)
     if task != "cbr":
         fail(f"--task is cbr or recall, not {task!r}.")
     if not translator:
@@ -433,7 +470,8 @@ def eval_cmd(
         except ValueError:
             raise KvlingoError(f"--native-tail takes numbers >= 0, got {native_tail!r}.")
         scored = evaluate_files(source, target, translator, corpus, _int_list(context_lengths),
-                                continuation_len, windows, tails, native_layer0, log=typer.echo)
+                                continuation_len, windows, tails, native_layer0, log=typer.echo,
+                                progress=show_progress(quiet))
         for s in scored:
             typer.echo(f"\n{s.title()}:")
             typer.echo(format_table(s.rows))
@@ -445,7 +483,8 @@ def eval_cmd(
     _run(go)
 
 
-def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0):
+def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0,
+            quiet=False):
     from mlx_kvlingo.measure.recall import format_table, run_recall
     from mlx_kvlingo.pairs.shipped import translator_for
 
@@ -461,7 +500,8 @@ def _recall(source, target, translator, tokens, items, recompute, json_out, reco
         # Scored items go next to the report as they finish: a rerun resumes.
         checkpoint = json_out.with_suffix(".items.jsonl") if json_out else None
         result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo,
-                            checkpoint=checkpoint, recompute_max=recompute_max)
+                            checkpoint=checkpoint, recompute_max=recompute_max,
+                            progress=show_progress(quiet))
         typer.echo(format_table(result))
         if json_out:
             json_out.write_text(json.dumps(result.to_dict(), indent=2))

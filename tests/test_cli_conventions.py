@@ -191,3 +191,55 @@ def test_matplotlib_is_an_extra_not_a_dependency():
     project = config["project"]
     assert not any(d.startswith("matplotlib") for d in project["dependencies"])
     assert project["optional-dependencies"]["plot"] == ["matplotlib"]
+
+
+def test_train_progress_draws_a_bar_with_eta_on_stderr(capsys):
+    """Stage 2 on a terminal: step / total with an ETA on stderr, evaluations and
+    skipped steps printed as lines; without a terminal, the plain lines only."""
+    from mlx_kvlingo_cli.main import TrainProgress
+
+    progress = TrainProgress(True)
+    for step in (1, 2, 3):
+        progress({"step": step, "loss": 0.5, "applied": step != 2, "lr": 1e-4,
+                  "tokens_per_s": 100.0, "total": 5})
+    progress({"step": 3, "eval": {"kl": 0.1, "kl_none": 0.5, "top1": 0.5, "cbr": 0.8,
+                                  "cbr_meaningful": True}})
+    progress.close()
+    out, err = capsys.readouterr()
+    assert "stage 2" in err and "3/5" in err and "<" in err  # elapsed<remaining
+    assert "SKIPPED" in out and "eval @ step 3" in out and "step 1:" not in out
+
+    plain = TrainProgress(False)
+    plain({"step": 10, "loss": 0.5, "applied": True, "lr": 1e-4, "tokens_per_s": 1.0,
+           "total": 20})
+    out, err = capsys.readouterr()
+    assert "step 10: loss 0.5000" in out and err == ""
+
+
+def test_progress_bars_are_off_without_a_terminal_and_with_quiet(monkeypatch):
+    from mlx_kvlingo import progress
+    from mlx_kvlingo_cli.common import show_progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert not show_progress() and not progress.enabled(None)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert show_progress() and not show_progress(quiet=True) and progress.enabled(None)
+    for name in ("train", "eval", "fetch-models"):
+        assert "quiet" in {p.name for p in commands()[name].params}, name
+
+
+def test_eval_windows_bar(capsys):
+    """evaluate_translators draws a bar over its windows when asked."""
+    import mlx.core as mx
+
+    import mlx_kvlingo as kv
+    from mlx_kvlingo.measure.evaluate import evaluate_translators
+
+    src, _ = kv.load(str(TOY / "source"))
+    tgt, _ = kv.load(str(TOY / "target"))
+    t = kv.load_translator(TOY_TRANSLATOR)
+    windows = [mx.array([[5 + (i + j) % 50 for j in range(24)]]) for i in range(3)]
+    evaluate_translators(src, tgt, [t], windows, 16, progress=True)
+    assert "context 16" in capsys.readouterr().err
+    evaluate_translators(src, tgt, [t], windows, 16)
+    assert capsys.readouterr().err == ""

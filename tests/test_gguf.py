@@ -448,7 +448,7 @@ def test_fetch_models_names_and_groups(args, fetched, monkeypatch, tmp_path):
 
     calls = []
 
-    def fake_fetch(name, cache_dir, quantized, log):
+    def fake_fetch(name, cache_dir, quantized, log, progress=None):
         calls.append(name)
         return tmp_path / name
 

@@ -256,7 +256,8 @@ def train(
 
     ``group``: an ``mx.distributed`` group when launched on several processes (every
     rank calls this with the same arguments and the same starting translator);
-    ``progress`` is then called on rank 0 only. ``peer_timeout``: seconds one step
+    ``progress`` is then called on rank 0 only. Its step records also carry
+    ``total``, the run's number of steps. ``peer_timeout``: seconds one step
     may take before this rank gives up on the others (see distributed.Watchdog).
     """
     paths = _paths(out)
@@ -339,8 +340,8 @@ def train(
                 "tokens_per_s": tokens / (t2 - t0),
             }
             log.write(json.dumps(record) + "\n")
-            if progress:
-                progress(record)
+            if progress:  # with the run's step count, for a bar and its ETA
+                progress(dict(record, total=config.distill.steps))
             done = distiller.step
             if writer and config.eval_every and (
                 done % config.eval_every == 0 or done == config.distill.steps
