@@ -243,3 +243,68 @@ def test_eval_windows_bar(capsys):
     assert "context 16" in capsys.readouterr().err
     evaluate_translators(src, tgt, [t], windows, 16)
     assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def quantized_toy(tmp_path_factory):
+    """The built-in target saved MLX-quantized (8 bits) as an mlx-lm directory."""
+    import json
+
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model, save
+
+    model, tok = mlx_lm_load(str(TOY / "target"))
+    config = json.loads((TOY / "target" / "config.json").read_text())
+    model, config = quantize_model(model, config, 32, 8)
+    out = tmp_path_factory.mktemp("q") / "target-8bit"
+    save(out, TOY / "target", model, tok, config)
+    return out
+
+
+def test_load_keeps_a_quantized_model_quantized_when_asked(quantized_toy):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_kvlingo.models.load import _is_quantized, load
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU's defaults")
+    plain, _ = load(str(quantized_toy))
+    assert not _is_quantized(plain) and plain.layers[0].mlp.down_proj.weight.dtype == mx.float32
+    kept, _ = load(str(quantized_toy), keep_quantized=True)
+    assert _is_quantized(kept)
+    assert isinstance(kept.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    cast, _ = load(str(quantized_toy), mx.bfloat16, keep_quantized=True)
+    assert _is_quantized(cast) and cast.layers[0].input_layernorm.weight.dtype == mx.bfloat16
+    out = kept(mx.array([[1, 2, 3]]))
+    assert out.shape == (1, 3, 1024)
+
+
+def test_load_passes_mlx_lm_options_through(monkeypatch):
+    import importlib
+
+    load_module = importlib.import_module("mlx_kvlingo.models.load")
+    seen = {}
+    original = load_module.mlx_lm_load
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        return original(path)
+
+    monkeypatch.setattr(load_module, "mlx_lm_load", spy)
+    load_module.load(str(TOY / "target"), adapter_path="adapters", revision="main",
+                     tokenizer_config={"trust_remote_code": False})
+    assert seen == {"adapter_path": "adapters", "revision": "main",
+                    "tokenizer_config": {"trust_remote_code": False}}
+    seen.clear()
+    load_module.load(str(TOY / "target"))
+    assert seen == {}
+
+
+def test_inspect_and_switch_take_keep_quantized(quantized_toy):
+    result = CliRunner().invoke(app, ["inspect", str(quantized_toy), "--gemm-size", "64",
+                                      "--keep-quantized"])
+    assert result.exit_code == 0, result.output
+    assert "llama, 6 layers" in result.output
+    for name in ("switch", "convert-cache", "compress"):
+        assert "keep_quantized" in {p.name for p in commands()[name].params}, name
