@@ -5,7 +5,7 @@ Files next to the translator ``OUT``:
 - ``OUT`` — the translator, written atomically at every checkpoint and at the end;
 - ``OUT.ckpt.safetensors`` — maps + optimizer state + run position, for ``resume``;
 - ``OUT.log.jsonl`` — one JSON object per step and per evaluation;
-- ``OUT.png`` — loss, KL and CBR curves.
+- ``OUT.png`` — loss, KL and CBR curves (when matplotlib, the ``plot`` extra, is installed).
 
 Sampling is a pure function of (seed, step) (see samples.py), so a resumed run
 draws exactly the samples the uninterrupted run would have drawn.
