@@ -158,7 +158,11 @@ def register(app: typer.Typer):
         temp: float = typer.Option(0.0, help="Sampling temperature (0: greedy)."),
         top_p: float = typer.Option(1.0, help="Sampling top-p (1: off)."),
         seed: Optional[int] = typer.Option(None, help="PRNG seed for sampling."),
-        system: Optional[str] = typer.Option(None, help="System prompt."),
+        system: Optional[str] = typer.Option(None, "--system-prompt", "--system",
+                                             help="System prompt."),
+        keep_quantized: bool = typer.Option(
+            False, help="Keep quantized models quantized on the CPU (default there: "
+            "dequantized and cast to float32)."),
         cache_dir: Optional[Path] = typer.Option(
             None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
             "or ~/.cache/mlx-kvlingo)."),
@@ -177,7 +181,7 @@ def register(app: typer.Typer):
             sampler = make_sampler(temp, top_p, seed)
             session = build_session(model or [], translator or [], fit_missing, fit_tokens,
                                     cache_dir, system, log=typer.echo, recompute=recompute,
-                                    recompute_max=recompute_max)
+                                    recompute_max=recompute_max, keep_quantized=keep_quantized)
             start = first or session.model_names[0]
             if start not in session.model_names:
                 raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")

@@ -306,5 +306,5 @@ def test_inspect_and_switch_take_keep_quantized(quantized_toy):
                                       "--keep-quantized"])
     assert result.exit_code == 0, result.output
     assert "llama, 6 layers" in result.output
-    for name in ("switch", "convert-cache", "compress"):
+    for name in ("switch", "convert-cache", "compress", "chat"):
         assert "keep_quantized" in {p.name for p in commands()[name].params}, name
