@@ -308,3 +308,11 @@ def test_inspect_and_switch_take_keep_quantized(quantized_toy):
     assert "llama, 6 layers" in result.output
     for name in ("switch", "convert-cache", "compress", "chat"):
         assert "keep_quantized" in {p.name for p in commands()[name].params}, name
+
+
+def test_convert_cache_takes_the_cache_file_once(tmp_path):
+    args = ["convert-cache", "--translator", str(TOY_TRANSLATOR), "--source", "s",
+            "--target", "t", "--out", str(tmp_path / "out.safetensors")]
+    for extra in ([], [str(tmp_path / "a"), "--prompt-cache-file", str(tmp_path / "b")]):
+        result = CliRunner().invoke(app, args + extra)
+        assert result.exit_code == 1 and "IN or --prompt-cache-file" in result.output
