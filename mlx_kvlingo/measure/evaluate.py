@@ -23,6 +23,7 @@ from .. import cpu_math
 from ..errors import KvlingoError
 from ..metrics import cbr, kl, nll
 from ..models.cache import copy_cache, prefill
+from ..progress import bar
 from ..switching.api import translate_aligned
 from ..translator.align import identity_alignment
 
@@ -282,16 +283,18 @@ def _score_truncations(truncations, totals, target, context, continuation, nativ
 
 def evaluate_translators(
     source, target, translators, windows, context_len: int, native_tails: Sequence[int] = (0,),
-    truncations: Sequence[int] = (),
+    truncations: Sequence[int] = (), progress: Optional[bool] = False,
 ) -> List[Fidelity]:
     """Score several translators (each with each native tail) on the same windows;
     the native and no-context passes are computed once per window. ``truncations``:
     also score the target re-prefilling only the last n context tokens, for each n
-    (rows after the translators', ``Fidelity.truncated``)."""
+    (rows after the translators', ``Fidelity.truncated``). ``progress``: a bar over
+    the windows on standard error (None: when it is a terminal)."""
     variants = _variants(translators, native_tails)
     totals = [ScoreTotals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
     cut = [ScoreTotals(truncated=n) for n in truncations]
-    for tokens in windows:
+    for tokens in bar(windows, desc=f"context {context_len}", progress=progress,
+                      unit="window", leave=False):
         context, continuation = tokens[:, :context_len], tokens[:, context_len:]
 
         def logprobs(cache):
@@ -315,17 +318,18 @@ def evaluate_translators(
 
 def evaluate_aligned(
     source, target, translators, samples, context_len: int, native_tails: Sequence[int] = (0,),
-    truncations: Sequence[int] = (),
+    truncations: Sequence[int] = (), progress: Optional[bool] = False,
 ) -> List[Fidelity]:
     """Score translators (each with each native tail) on
     :class:`~mlx_kvlingo.train.samples.AlignedSample`s (pairs with different tokenizers,
     one sample at a time). The no-context baseline keeps the target's leading
     special tokens (e.g. Gemma's BOS, without which it is off distribution), and so
-    do the ``truncations`` (as in :func:`evaluate_translators`)."""
+    do the ``truncations`` (as in :func:`evaluate_translators`, as is ``progress``)."""
     variants = _variants(translators, native_tails)
     totals = [ScoreTotals(m, getattr(t.spec, "native_layer0", False)) for t, m in variants]
     cut = [ScoreTotals(truncated=n) for n in truncations]
-    for s in samples:
+    for s in bar(samples, desc=f"context {context_len}", progress=progress, unit="window",
+                 leave=False):
         context = mx.array(s.alignment.target_tokens)[None]
         continuation = mx.array(s.continuation)[None]
 
@@ -349,13 +353,14 @@ def evaluate_aligned(
 
 
 def evaluate_pair(pair, source, target, translators, items, context_len: int,
-                  native_tails: Sequence[int] = (0,), truncations: Sequence[int] = ()
-                  ) -> List[Fidelity]:
+                  native_tails: Sequence[int] = (0,), truncations: Sequence[int] = (),
+                  progress: Optional[bool] = False) -> List[Fidelity]:
     """Score translators on what ``pair.heldout`` returned: windows of shared
     token ids (``train.samples.SharedTokens``) or aligned samples
     (``train.samples.AlignedText``, different tokenizers: ``pair.aligned``)."""
     score = evaluate_aligned if getattr(pair, "aligned", False) else evaluate_translators
-    return score(source, target, translators, items, context_len, native_tails, truncations)
+    return score(source, target, translators, items, context_len, native_tails, truncations,
+                 progress)
 
 
 MARKDOWN_HEAD = ["| context | {} | NLL | CBR | 95% CI | KL | top-1 | attn cos (worst layer) |",

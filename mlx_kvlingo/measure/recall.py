@@ -33,6 +33,7 @@ from ..data.recall import KINDS, PLAIN_KINDS, RecallItem, heldout_filler, recall
 from ..metrics import log_softmax, nll
 from ..models.cache import prefill
 from ..models.load import load_pair
+from ..progress import around_bars, bar
 from ..switching.api import SwitchResult, switch, switch_text
 from ..switching.recompute import merge_spans
 from ..translator.align import tokenize_with_offsets
@@ -300,6 +301,7 @@ def measure_recall(
     log: Callable[[str], None] = print, source_name: str = "source",
     target_name: str = "target", checkpoint: Optional[Union[str, Path]] = None,
     recompute_max: int = 0, selections: Sequence[Optional[str]] = (None,),
+    progress: Optional[bool] = False,
 ) -> RecallResult:
     """Score every item under every setting (module docstring), items in order and
     settings interleaved per item so that the machine's load is shared alike.
@@ -312,7 +314,8 @@ def measure_recall(
     knows. Each switch setting gets its own equal-time truncation.
 
     ``checkpoint``: a JSON-lines file each scored item is appended to; the items it
-    already holds (same item, same settings) are not scored again."""
+    already holds (same item, same settings) are not scored again. ``progress``: a
+    bar over the items on standard error (None: when it is a terminal)."""
     bos = getattr(target_tokenizer, "bos_token_id", None)
     scores: Dict[str, List[RecallScore]] = {}
 
@@ -328,7 +331,10 @@ def measure_recall(
     if done:
         log(f"  {len(done)} of {len(items)} items already scored in {checkpoint}")
     prepared = []
+    items_bar = bar(total=len(items), desc="recall items", progress=progress, unit="item")
+    log = around_bars(log)
     for i, item in enumerate(items):
+        items_bar.update(0 if i == 0 else 1)
         ids, offsets = tokenize_with_offsets(target_tokenizer, item.prompt)
         answer = answer_tokens(target_tokenizer, ids, item.prompt, item.answer)
         cue = len(target_tokenizer.encode(item.cue, add_special_tokens=False))
@@ -369,6 +375,8 @@ def measure_recall(
         save_item(checkpoint, item, {k: scores[k][-1] for k in per_item})
         log(f"  item {i + 1}/{len(items)} ({item.kind}, {len(ids)} tokens): "
             + ", ".join(f"{k} {'+' if v[-1].exact else '-'}" for k, v in scores.items()))
+    items_bar.update(1 if items else 0)
+    items_bar.close()
     # The equal-time baselines: as many recent tokens as each switch's time allows.
     times = {n: statistics.median(s.ttft_s for s in scores[f"last {n}"]) for n in truncations}
     times[statistics.median(len(ids) for ids, _, _ in prepared)] = statistics.median(
@@ -420,9 +428,10 @@ def run_recall(source: str, target: str, translator: Translator, tokens: int = 5
                oracle: bool = False, native_tail: Optional[int] = None, seed: int = 0,
                log: Callable[[str], None] = print,
                checkpoint: Optional[Union[str, Path]] = None,
-               recompute_max: int = 0) -> RecallResult:
+               recompute_max: int = 0, progress: Optional[bool] = False) -> RecallResult:
     """Load the two models and score ``count`` recall items of about ``tokens``
-    target tokens, built from held-out text (``data.recall.heldout_filler``)."""
+    target tokens, built from held-out text (``data.recall.heldout_filler``);
+    ``progress`` as in :func:`measure_recall`."""
     src, src_tok, tgt, tgt_tok = load_pair(source, target, log=log)
     translator.check_models(src, tgt, src_tok, tgt_tok)
     items = recall_items(heldout_filler(), count, tokens, lambda text: len(tgt_tok.encode(text)),
@@ -430,4 +439,4 @@ def run_recall(source: str, target: str, translator: Translator, tokens: int = 5
     return measure_recall(src, src_tok, tgt, tgt_tok, translator, items, native_tail=native_tail,
                           recompute=recompute, oracle=oracle, log=log, source_name=source,
                           target_name=target, checkpoint=checkpoint,
-                          recompute_max=recompute_max)
+                          recompute_max=recompute_max, progress=progress)

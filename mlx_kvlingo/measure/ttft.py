@@ -464,11 +464,11 @@ def format_split(rows: Sequence[TTFTRow]) -> str:
 
 def plot_ttft(rows: Sequence[TTFTRow], path, title: str = ""):
     """Per pair: TTFT of re-prefill, switch and the ceiling against context length
-    (no native tail), and the achieved and ceiling speed-ups."""
-    import matplotlib
+    (no native tail), and the achieved and ceiling speed-ups. Needs matplotlib (the
+    ``plot`` extra)."""
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in rows if r.native_tail == 0]
     pairs = list(dict.fromkeys(r.pair for r in rows))

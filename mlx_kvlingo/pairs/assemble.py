@@ -54,13 +54,13 @@ def match_translator(translator, session, path: str):
 def build_session(models: Sequence[str], translators: Sequence[str] = (), fit_missing: bool = True,
                   fit_tokens: int = 10_000, cache_dir=None, system: Optional[str] = None,
                   log: Callable[[str], None] = print, recompute: Optional[float] = None,
-                  recompute_max: Optional[int] = None) -> Session:
+                  recompute_max: Optional[int] = None, keep_quantized: bool = False) -> Session:
     """A Session over the models named ``NAME=PATH`` (or ``PATH``), with the
     translators given as ``SOURCE:TARGET=FILE`` (or ``FILE``, matched to the models
     it fits), the shipped ones between models named by their short names, and, with
     ``fit_missing``, a stage-1 translator fitted on the spot for every other
     direction. No models: the built-in pair. ``recompute``, ``recompute_max``: see
-    :class:`Session`."""
+    :class:`Session`. ``keep_quantized``: see :func:`~mlx_kvlingo.models.load.load`."""
     if not models:
         if translators:
             raise KvlingoError("--translator needs --model (the built-in pair brings its own).")
@@ -73,7 +73,7 @@ def build_session(models: Sequence[str], translators: Sequence[str] = (), fit_mi
     session = Session(system_prompt=system, recompute=recompute, recompute_max=recompute_max)
     for name, path in paths.items():
         log(f"Loading {name} from {path} ...")
-        model, tokenizer = load(path)
+        model, tokenizer = load(path, keep_quantized=keep_quantized)
         session.add_model(name, model, tokenizer)
     for spec in translators:
         pair, sep, file = spec.rpartition("=")

@@ -6,7 +6,7 @@ length; every translator, native tail and layer-0 setting on the same windows)."
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from ..errors import KvlingoError
 from ..files import written_atomically
@@ -53,9 +53,12 @@ def evaluate_files(source: str, target: str, paths: Sequence[Path], corpus: str 
                    context_lengths: Sequence[int] = (128, 256), continuation_len: int = 64,
                    windows: int = 32, native_tails: Sequence[int] = (0,),
                    native_layer0: str = "file",
-                   log: Callable[[str], None] = print) -> List[ScoredTranslator]:
+                   log: Callable[[str], None] = print,
+                   progress: Optional[bool] = False) -> List[ScoredTranslator]:
     """Score translator files on ``corpus``'s held-out windows, each with every
-    native tail and layer-0 setting, all on the same windows."""
+    native tail and layer-0 setting, all on the same windows. ``progress``: a bar
+    over each context length's windows on standard error (None: when it is a
+    terminal)."""
     if not native_tails or min(native_tails) < 0:
         raise KvlingoError(f"--native-tail takes numbers >= 0, got {list(native_tails)!r}.")
     files, translators = [], []
@@ -72,7 +75,8 @@ def evaluate_files(source: str, target: str, paths: Sequence[Path], corpus: str 
     rows = [[] for _ in translators for _ in native_tails]
     for c in context_lengths:
         items = pair.heldout(c, continuation_len, windows)
-        scored = evaluate_pair(pair, src, tgt, translators, items, c, native_tails)
+        scored = evaluate_pair(pair, src, tgt, translators, items, c, native_tails,
+                               progress=progress)
         for r, f in zip(rows, scored):
             r.append(f)
         # Progress: a length of 48 windows takes tens of minutes on a small CPU.

@@ -5,7 +5,7 @@ Files next to the translator ``OUT``:
 - ``OUT`` — the translator, written atomically at every checkpoint and at the end;
 - ``OUT.ckpt.safetensors`` — maps + optimizer state + run position, for ``resume``;
 - ``OUT.log.jsonl`` — one JSON object per step and per evaluation;
-- ``OUT.png`` — loss, KL and CBR curves.
+- ``OUT.png`` — loss, KL and CBR curves (when matplotlib, the ``plot`` extra, is installed).
 
 Sampling is a pure function of (seed, step) (see samples.py), so a resumed run
 draws exactly the samples the uninterrupted run would have drawn.
@@ -256,7 +256,8 @@ def train(
 
     ``group``: an ``mx.distributed`` group when launched on several processes (every
     rank calls this with the same arguments and the same starting translator);
-    ``progress`` is then called on rank 0 only. ``peer_timeout``: seconds one step
+    ``progress`` is then called on rank 0 only. Its step records also carry
+    ``total``, the run's number of steps. ``peer_timeout``: seconds one step
     may take before this rank gives up on the others (see distributed.Watchdog).
     """
     paths = _paths(out)
@@ -339,8 +340,8 @@ def train(
                 "tokens_per_s": tokens / (t2 - t0),
             }
             log.write(json.dumps(record) + "\n")
-            if progress:
-                progress(record)
+            if progress:  # with the run's step count, for a bar and its ETA
+                progress(dict(record, total=config.distill.steps))
             done = distiller.step
             if writer and config.eval_every and (
                 done % config.eval_every == 0 or done == config.distill.steps
@@ -452,15 +453,14 @@ def _save_all(paths, distiller: Distiller, config: RunConfig):
     t.save(paths["translator"])
 
 
-def write_plot(log_path: Path, png_path: Path):
-    """Loss/KL and CBR curves from the JSON-lines log (skipped if matplotlib is absent)."""
-    try:
-        import matplotlib
+def write_plot(log_path: Path, png_path: Path) -> bool:
+    """Loss/KL and CBR curves from the JSON-lines log; skipped (False) when
+    matplotlib, the ``plot`` extra, is not installed."""
+    from ..plotting import available, pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    if not available():
+        return False
+    plt = pyplot()
     steps, losses, ev_steps, ev_kl, ev_cbr = [], [], [], [], []
     for line in Path(log_path).read_text().splitlines():
         r = json.loads(line)
@@ -485,3 +485,4 @@ def write_plot(log_path: Path, png_path: Path):
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     os.replace(tmp, png_path)
+    return True
