@@ -558,3 +558,62 @@ def test_cors_preflight_and_headers(serve):
         reply = conn.getresponse()
         reply.read()
         assert reply.getheader("Access-Control-Allow-Origin") == allowed
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                        "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture
+def templated(toy_pair_dirs):
+    """The built-in small model with a chat template that renders tools (its own
+    tokenizer has no template), under both names of the auto route."""
+    from mlx_kvlingo.chat.session import Session
+    from mlx_kvlingo.models.load import load
+
+    model, tok = load(toy_pair_dirs[0])
+    tok._tokenizer.chat_template = TOOLS_TEMPLATE
+    return Session({"small": (model, tok), "large": (model, tok)}), tok
+
+
+def test_tools_reach_the_chat_template_and_tool_calls_are_parsed(serve, templated):
+    base, tok = templated
+    srv = Running(base)
+    try:
+        client = srv.client()
+        msgs = [user("Return the sum of the items.")]
+        plain = client.chat.completions.create(model="small", messages=msgs, max_tokens=8)
+        with_tools = client.chat.completions.create(model="small", messages=msgs, max_tokens=8,
+                                                    tools=[ADD])
+        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # tools rendered
+        kv = with_tools.model_extra["kvlingo"]
+        assert kv["branched_from"] is None  # other tools: another conversation
+        answer = with_tools.choices[0].message.content
+        assert len(answer) > 8 and with_tools.choices[0].message.tool_calls is None
+
+        # A tokenizer with tool calling: its parser reads the section after the marker.
+        at = next(i for i in range(2, len(answer) - 3) if answer.find(answer[i:i + 3]) == i
+                  and answer[:i].strip())
+        marker = answer[at:at + 3]
+        tok._tool_call_start, tok._tool_call_end = marker, None
+        tok._tool_parser = lambda text, tools: {"name": tools[0]["function"]["name"],
+                                                "arguments": {"rest": text}}
+        r = client.chat.completions.create(model="small", messages=msgs, max_tokens=8,
+                                           tools=[ADD])
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+        assert json.loads(call.function.arguments) == {"rest": answer[at + 3:]}
+        assert r.choices[0].message.content == answer[:at]
+        chunks = list(client.chat.completions.create(model="small", messages=msgs,
+                                                     max_tokens=8, tools=[ADD], stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        assert text == answer[:at] and marker not in text
+        assert [c.function.name for c in calls] == ["add"] and calls[0].index == 0
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        srv.close()
