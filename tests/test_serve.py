@@ -617,3 +617,18 @@ def test_tools_reach_the_chat_template_and_tool_calls_are_parsed(serve, template
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
     finally:
         srv.close()
+
+
+def test_serve_options_reach_the_server(kv_cache_dir):
+    from mlx_kvlingo.serve.server import ServeOptions, start
+
+    server = start(ServeOptions(port=0, request_timeout=5.0, keepalive=2.0,
+                                allowed_origins=["http://app.example"], cache_dir=kv_cache_dir),
+                   log=lambda *_: None)
+    try:
+        config = server.config
+        assert (config.request_timeout, config.keepalive) == (5.0, 2.0)
+        assert config.allowed_origins == ["http://app.example"]
+    finally:
+        server.server_close()
+        server.engine.close()

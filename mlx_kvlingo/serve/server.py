@@ -767,6 +767,9 @@ class ServeOptions:
     max_body_kb: int = 4096
     max_conversations: int = 32
     max_cache_mb: int = 4096
+    request_timeout: float = 600.0
+    keepalive: float = 10.0
+    allowed_origins: Sequence[str] = ("*",)
     cache_dir: Optional[Path] = None
     # Share of translated positions recomputed (fact-like words), and the most
     # positions per catch-up; None: the translators' defaults.
@@ -791,7 +794,9 @@ def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServ
     route = AutoRoute(small, large, options.auto_probe, options.auto_entropy)
     store = ConversationStore(base, options.max_conversations, options.max_cache_mb << 20, route)
     config = ServerConfig(key, options.max_body_kb << 10, options.max_tokens,
-                          options.default_max_tokens)
+                          options.default_max_tokens, request_timeout=options.request_timeout,
+                          keepalive=options.keepalive,
+                          allowed_origins=options.allowed_origins)
     server = make_server(store, options.host, options.port, config, options.max_queue,
                          options.allow_insecure_bind)
     log(describe_session(base))
