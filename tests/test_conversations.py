@@ -1,5 +1,6 @@
 """The conversation store and router behind `serve`, without sockets."""
 
+import numpy as np
 import pytest
 from tiny import identity_translator, user
 
@@ -77,7 +78,14 @@ def test_chats_sharing_a_system_prompt_keep_each_others_caches_whole(base):
     first = [system, user("Sum a list.")]
     text, s1 = run(store, "a", first, max_tokens=6)
     answered = s1.context_tokens + s1.generated_tokens
+    cache = store.session_of(s1.conversation).cache("a")
+    before = [(c.offset, np.array(c.keys[..., :c.offset, :])) for c in cache]
     _, s2 = run(store, "a", [system, user("Open a file.")], max_tokens=6)
+    # The copy wrote its own tokens after the shared prefix; the first chat's cache
+    # holds what it held, value for value.
+    after = [(c.offset, np.array(c.keys[..., :c.offset, :])) for c in cache]
+    assert [o for o, _ in after] == [o for o, _ in before]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(after, before))
     assert s2.conversation != s1.conversation and s2.branched_from == s1.conversation
     assert s2.shared_messages == 1 and 0 < s2.cached_tokens < s1.context_tokens
     first += [{"role": "assistant", "content": text}, user("And the product?")]
@@ -207,3 +215,20 @@ def test_engine_queue_bound_cancel_and_errors():
     assert job.finished.wait(5)
     engine.close()
     assert engine.cancelled == 1
+
+
+def test_the_message_trie_finds_the_longest_prefix_and_forgets_removed_paths():
+    from mlx_kvlingo.serve.conversations import MessageTrie, conversation_keys
+
+    trie = MessageTrie()
+    sys_, a, b = {"role": "system", "content": "S"}, user("a"), user("b")
+    trie.put(1, conversation_keys(None, [sys_, a]))
+    trie.put(2, conversation_keys(None, [sys_, b]))
+    assert trie.longest(conversation_keys(None, [sys_, a, b])) == ({1}, 3)
+    assert trie.longest(conversation_keys(None, [sys_, user("c")])) == ({1, 2}, 2)
+    assert trie.longest(conversation_keys([{"x": 1}], [sys_])) == (set(), 0)  # other tools
+    trie.remove(1)
+    assert trie.longest(conversation_keys(None, [sys_, a])) == ({2}, 2)
+    trie.put(2, conversation_keys(None, [sys_, b, a]))  # a conversation grows: moved
+    assert trie.longest(conversation_keys(None, [sys_, b, a])) == ({2}, 4)
+    assert trie._root.children[conversation_keys(None, [])[0]].through == {2}
