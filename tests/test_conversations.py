@@ -232,3 +232,32 @@ def test_the_message_trie_finds_the_longest_prefix_and_forgets_removed_paths():
     trie.put(2, conversation_keys(None, [sys_, b, a]))  # a conversation grows: moved
     assert trie.longest(conversation_keys(None, [sys_, b, a])) == ({2}, 4)
     assert trie._root.children[conversation_keys(None, [])[0]].through == {2}
+
+
+def test_a_stop_string_cut_across_tokenizers_reads_like_the_text_sent(toy_pair_dirs):
+    """Two tokenizers (one with an extra special token) and exact maps: after a
+    stop string cut a's answer, b answers the next turn as a fresh conversation
+    holding the cut answer does, and every view spells the cut answer."""
+    from tiny import identity_translator
+
+    from mlx_kvlingo.models.load import load
+
+    model, ta = load(toy_pair_dirs[1])
+    _, tb = load(toy_pair_dirs[1])
+    tb._tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    base = Session({"a": (model, ta), "b": (model, tb)},
+                   {("a", "b"): identity_translator(model, ta, tb),
+                    ("b", "a"): identity_translator(model, tb, ta)}, chat_template=False)
+    assert base.cross_tokenizer
+    full, _ = run(ConversationStore(base), "a", [user("Sum a list.")], max_tokens=10)
+    stop = full[5:7]
+    store = ConversationStore(base)
+    text, s = run(store, "a", [user("Sum a list.")], max_tokens=10, stop=[stop])
+    assert text == full[:full.find(stop)] and len(text) >= 5
+    session = store.session_of(s.conversation)
+    for name in ("a", "b"):
+        assert session.text(name).rstrip().endswith(text.rstrip()), name
+    msgs = [user("Sum a list."), {"role": "assistant", "content": text}, user("Again.")]
+    got, s2 = run(store, "b", msgs, max_tokens=6)
+    assert s2.conversation == s.conversation and s2.translated_tokens > 0
+    assert got == run(ConversationStore(base), "b", msgs, max_tokens=6)[0]
