@@ -417,6 +417,7 @@ def test_a_request_timeout_is_a_504_or_an_error_event_never_silence(serve):
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model="small", messages=[user("Hi.")], max_tokens=2)
     assert e.value.status_code == 504 and e.value.body["code"] == "timeout"
+    assert e.value.response.headers["x-should-retry"] == "false"
     assert time.time() - t0 < 10
 
     # A stream waiting for the worker gets keepalive comments, then an error event.

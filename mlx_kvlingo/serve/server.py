@@ -529,9 +529,10 @@ class Handler(BaseHTTPRequestHandler):
     def _failure(self, e: Exception) -> RequestError:
         if isinstance(e, RequestTimeout):
             limit = self.server.config.request_timeout
+            # Not retried by OpenAI clients: the same request would time out again.
             return RequestError(504, f"The request took longer than the server's request "
                                 f"timeout ({limit:g} s); it was stopped.", type_="server_error",
-                                code="timeout")
+                                code="timeout", headers={"x-should-retry": "false"})
         if isinstance(e, UnknownModel):
             return RequestError(404, str(e), code="model_not_found")
         if isinstance(e, KvlingoError):
