@@ -47,6 +47,14 @@ def register(app: typer.Typer):
         max_body_kb: int = typer.Option(4096, help="Largest request body (KiB)."),
         max_conversations: int = typer.Option(32, help="Conversations kept (LRU)."),
         max_cache_mb: int = typer.Option(4096, help="Bytes of caches kept (MiB, LRU)."),
+        request_timeout: float = typer.Option(
+            600.0, help="Seconds a request may take, waiting included; then it is stopped "
+            "and answered 504 (an error event in a stream)."),
+        keepalive: float = typer.Option(
+            10.0, help="Seconds between ': keepalive' comments of a stream that waits for "
+            "the worker or for its model to catch up."),
+        allowed_origin: Optional[List[str]] = typer.Option(
+            None, help="Origin browsers may call from (CORS); repeat. Default: any ('*')."),
         cache_dir: Optional[Path] = typer.Option(None, help="Where fitted translators are kept."),
         recompute: Optional[float] = typer.Option(
             None, help="Share of the translated positions (0.1 = 10%%) the reading model "
@@ -66,6 +74,7 @@ def register(app: typer.Typer):
             gate_threshold=gate_threshold, fit_missing=fit_missing, fit_tokens=fit_tokens,
             max_queue=max_queue, max_tokens=max_tokens, default_max_tokens=default_max_tokens,
             max_body_kb=max_body_kb, max_conversations=max_conversations,
-            max_cache_mb=max_cache_mb, cache_dir=cache_dir, recompute=recompute,
+            max_cache_mb=max_cache_mb, request_timeout=request_timeout, keepalive=keepalive,
+            allowed_origins=allowed_origin or ["*"], cache_dir=cache_dir, recompute=recompute,
             recompute_max=recompute_max)
         _run(lambda: run_server(options, log=typer.echo))

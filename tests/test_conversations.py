@@ -1,5 +1,6 @@
 """The conversation store and router behind `serve`, without sockets."""
 
+import numpy as np
 import pytest
 from tiny import identity_translator, user
 
@@ -51,20 +52,86 @@ def test_requests_extend_a_conversation_and_a_switch_translates(base):
     assert run(fresh, "b", msgs[:4] + [user("Now open a file.")], max_tokens=6)[0] == text2
 
 
-def test_regenerate_and_edit_truncate(base):
+def test_regenerate_and_edit_branch_and_leave_the_stored_conversation_whole(base):
     store = ConversationStore(base)
     msgs = [user("Return the sum of the items.")]
     text, s1 = run(store, "a", msgs, max_tokens=6)
     again, s2 = run(store, "b", msgs, max_tokens=6)  # regenerate, with the other model
-    assert s2.conversation == s1.conversation and s2.truncated_messages == 1
+    assert s2.branched_from == s1.conversation and s2.shared_messages == 1
     assert again == text  # exact translators: same greedy answer
-    assert s2.translated_tokens > 0  # b read the question translated from a's cache
+    assert s2.translated_tokens > 0  # b read the question translated from a's copied cache
+    assert store.conversation_messages(s1.conversation)[-1]["content"] == text  # kept whole
     msgs2 = msgs + [{"role": "assistant", "content": again}, user("Open a file.")]
-    run(store, "a", msgs2, max_tokens=4)
+    _, s3 = run(store, "a", msgs2, max_tokens=4)
     edited = msgs + [{"role": "assistant", "content": again}, user("Close a file.")]
     _, s4 = run(store, "a", edited, max_tokens=4)
-    assert s4.truncated_messages == 2 and s4.conversation == s1.conversation
-    assert store.conversation_messages(s1.conversation)[-2] == user("Close a file.")
+    assert s4.shared_messages == 2 and s4.branched_from == s3.conversation
+    assert store.conversation_messages(s4.conversation)[-2] == user("Close a file.")
+    assert store.conversation_messages(s3.conversation)[-2] == user("Open a file.")
+
+
+def test_chats_sharing_a_system_prompt_keep_each_others_caches_whole(base):
+    """Two chats that share only the system prompt: the second copies that prefix;
+    back to the first, it reuses its whole cache and reads only its new message."""
+    store = ConversationStore(base)
+    system = {"role": "system", "content": "You write Python."}
+    first = [system, user("Sum a list.")]
+    text, s1 = run(store, "a", first, max_tokens=6)
+    answered = s1.context_tokens + s1.generated_tokens
+    cache = store.session_of(s1.conversation).cache("a")
+    before = [(c.offset, np.array(c.keys[..., :c.offset, :])) for c in cache]
+    _, s2 = run(store, "a", [system, user("Open a file.")], max_tokens=6)
+    # The copy wrote its own tokens after the shared prefix; the first chat's cache
+    # holds what it held, value for value.
+    after = [(c.offset, np.array(c.keys[..., :c.offset, :])) for c in cache]
+    assert [o for o, _ in after] == [o for o, _ in before]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(after, before))
+    assert s2.conversation != s1.conversation and s2.branched_from == s1.conversation
+    assert s2.shared_messages == 1 and 0 < s2.cached_tokens < s1.context_tokens
+    first += [{"role": "assistant", "content": text}, user("And the product?")]
+    _, s3 = run(store, "a", first, max_tokens=4)
+    assert s3.conversation == s1.conversation and s3.branched_from is None
+    # a's whole cache of the first chat (its last answer token at most left to read)
+    assert answered - 1 <= s3.cached_tokens <= answered and s3.cached_translated_tokens == 0
+    assert s3.prefilled_tokens == s3.context_tokens - s3.cached_tokens  # only the new tokens
+    assert len(store) == 2
+
+
+def test_cached_tokens_count_only_positions_the_model_computed(base):
+    """a, b, a, a: a's third turn catches up on b's answer by translation; on its
+    fourth turn those positions are in a's cache but are not an exact hit."""
+    store = ConversationStore(base)
+    msgs = [user("Sum a list.")]
+    for i, model in enumerate("abaa"):
+        text, s = run(store, model, msgs, max_tokens=4)
+        msgs += [{"role": "assistant", "content": text}, user(f"Step {i + 2}?")]
+        if i == 2:
+            third = s
+    session = store.session_of(s.conversation)
+    view = session.transcript_of("a")
+    assert third.translated_tokens > 0
+    held = s.cached_tokens + s.cached_translated_tokens
+    assert s.cached_translated_tokens >= third.translated_tokens
+    assert s.cached_tokens <= held - third.translated_tokens
+    assert s.usage()["prompt_tokens_details"]["cached_tokens"] == s.cached_tokens
+    # what a holds now: everything, its last two turns' positions its own
+    assert view.own_positions("a") < view.processed["a"]
+
+
+def test_a_stop_string_cuts_the_stored_answer(base):
+    store = ConversationStore(base)
+    full, _ = run(ConversationStore(base), "a", [user("Sum a list.")], max_tokens=8)
+    stop = full[4:6]
+    text, s = run(store, "a", [user("Sum a list.")], max_tokens=8, stop=[stop])
+    assert text == full[:full.find(stop)] and s.finish_reason == "stop"
+    assert store.conversation_messages(s.conversation)[-1]["content"] == text
+    # The client sends the answer it got back: the same conversation, extended.
+    msgs = [user("Sum a list."), {"role": "assistant", "content": text}, user("Again.")]
+    _, s2 = run(store, "b", msgs, max_tokens=4)
+    assert s2.conversation == s.conversation and s2.branched_from is None
+    assert s2.shared_messages == 2
+    fresh, _ = run(ConversationStore(base), "b", msgs, max_tokens=4)
+    assert run(store, "b", msgs, max_tokens=4)[0] == fresh  # the cut answer reads as sent
 
 
 def test_lru_by_count_and_bytes(base):
@@ -148,3 +215,49 @@ def test_engine_queue_bound_cancel_and_errors():
     assert job.finished.wait(5)
     engine.close()
     assert engine.cancelled == 1
+
+
+def test_the_message_trie_finds_the_longest_prefix_and_forgets_removed_paths():
+    from mlx_kvlingo.serve.conversations import MessageTrie, conversation_keys
+
+    trie = MessageTrie()
+    sys_, a, b = {"role": "system", "content": "S"}, user("a"), user("b")
+    trie.put(1, conversation_keys(None, [sys_, a]))
+    trie.put(2, conversation_keys(None, [sys_, b]))
+    assert trie.longest(conversation_keys(None, [sys_, a, b])) == ({1}, 3)
+    assert trie.longest(conversation_keys(None, [sys_, user("c")])) == ({1, 2}, 2)
+    assert trie.longest(conversation_keys([{"x": 1}], [sys_])) == (set(), 0)  # other tools
+    trie.remove(1)
+    assert trie.longest(conversation_keys(None, [sys_, a])) == ({2}, 2)
+    trie.put(2, conversation_keys(None, [sys_, b, a]))  # a conversation grows: moved
+    assert trie.longest(conversation_keys(None, [sys_, b, a])) == ({2}, 4)
+    assert trie._root.children[conversation_keys(None, [])[0]].through == {2}
+
+
+def test_a_stop_string_cut_across_tokenizers_reads_like_the_text_sent(toy_pair_dirs):
+    """Two tokenizers (one with an extra special token) and exact maps: after a
+    stop string cut a's answer, b answers the next turn as a fresh conversation
+    holding the cut answer does, and every view spells the cut answer."""
+    from tiny import identity_translator
+
+    from mlx_kvlingo.models.load import load
+
+    model, ta = load(toy_pair_dirs[1])
+    _, tb = load(toy_pair_dirs[1])
+    tb._tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    base = Session({"a": (model, ta), "b": (model, tb)},
+                   {("a", "b"): identity_translator(model, ta, tb),
+                    ("b", "a"): identity_translator(model, tb, ta)}, chat_template=False)
+    assert base.cross_tokenizer
+    full, _ = run(ConversationStore(base), "a", [user("Sum a list.")], max_tokens=10)
+    stop = full[5:7]
+    store = ConversationStore(base)
+    text, s = run(store, "a", [user("Sum a list.")], max_tokens=10, stop=[stop])
+    assert text == full[:full.find(stop)] and len(text) >= 5
+    session = store.session_of(s.conversation)
+    for name in ("a", "b"):
+        assert session.text(name).rstrip().endswith(text.rstrip()), name
+    msgs = [user("Sum a list."), {"role": "assistant", "content": text}, user("Again.")]
+    got, s2 = run(store, "b", msgs, max_tokens=6)
+    assert s2.conversation == s.conversation and s2.translated_tokens > 0
+    assert got == run(ConversationStore(base), "b", msgs, max_tokens=6)[0]

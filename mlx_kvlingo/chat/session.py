@@ -37,6 +37,7 @@ tokens of the text the template puts after the previous turn, so a view is alway
 a prefix-extension of the previous one and no cache is ever invalidated.
 """
 
+import copy
 import threading
 import time
 from dataclasses import dataclass
@@ -188,6 +189,34 @@ class Session:
         s._translators = dict(self._translators)
         return s
 
+    def branch(self, messages: int) -> "Session":
+        """A new conversation holding this one's first ``messages`` messages, with
+        each model's cache of them: the start of a chat that diverges after them.
+        This conversation is left whole (MLX arrays are values: the copy's caches
+        share memory with this one's until either writes)."""
+        with self._turn_lock():
+            s = self.fresh()
+            s._views = {fp: v.copy() for fp, v in self._views.items()}
+            for name, e in self._models.items():
+                s._models[name].cache = [_copy_layer(c) for c in e.cache]
+                s._view_of[name] = s._views[e.fingerprint]
+            s.messages = [dict(m) for m in self.messages]
+            s._message_pieces = list(self._message_pieces)
+            s._next_piece = self._next_piece
+            s.reports = list(self.reports)
+        s.truncate(messages)
+        return s
+
+    def set_tools(self, tools: Optional[list]):
+        """Tools (OpenAI function specs) every chat template renders into this
+        conversation; before its first turn only (they come first in it)."""
+        if tools and any(len(v) for v in self._views.values()):
+            raise KvlingoError("Tools are set before the conversation's first turn.")
+        if tools and not all(v.uses_template() for v in self._views.values()):
+            raise KvlingoError("Tools need a chat template, and a model here has none.")
+        for v in self._views.values():
+            v.template_kwargs = {"tools": tools} if tools else {}
+
     def nbytes(self) -> int:
         """Bytes the models' caches of this conversation hold."""
         return sum(c.nbytes for e in self._models.values() for c in e.cache
@@ -329,7 +358,7 @@ class Session:
             if L:
                 if view.processed[model] >= L:  # it wrote the last token: re-read it
                     restore(self, model, L - 1)
-                catch_up_gated(self, model, L - 1, report)
+                self._catch_up(model, L - 1, report)
                 inputs = [view.tokens[-1]] + tokens[:-1]
             else:
                 inputs = tokens
@@ -386,6 +415,54 @@ class Session:
                     and v.tokens[-1] in _eos_ids(v.tokenizer)
                 )
             del self.messages[messages:], self._message_pieces[messages:]
+
+    def cut_answer(self, text: str):
+        """End the last answer at ``text``, a prefix of it (a stop string a client
+        gave cut it there), so the conversation holds what the client saw: each
+        view keeps the answer's tokens that spell a prefix of ``text`` and reads
+        the rest of ``text`` on the next turn; caches are trimmed to match."""
+        with self._turn_lock():
+            if not self.messages or self.messages[-1]["role"] != "assistant":
+                raise KvlingoError("The conversation does not end with an answer.")
+            answer = self.messages[-1]
+            if answer["content"] == text:
+                return
+            if not answer["content"].lstrip().startswith(text.lstrip()):
+                raise KvlingoError("The cut answer is not a prefix of the answer.")
+            piece = self._message_pieces[-1]
+            writer = next((s.writer for s in reversed(self.transcript_of(
+                self._first_name()).spans) if s.kind == "generated"), None)
+            for v in self._views.values():
+                if piece in v.piece_range:
+                    self._cut_view(v, v.piece_range[piece][0], piece, text, writer)
+            answer["content"] = text
+
+    def _cut_view(self, view: Transcript, start: int, piece: int, text: str, writer):
+        tok = view.tokenizer
+        want = text.lstrip()
+        keep, kept_text = 0, ""
+        for k in range(1, len(view) - start + 1):
+            got = tok.decode(view.tokens[start:start + k], skip_special_tokens=True)
+            if not want.startswith(got.lstrip()):
+                break
+            keep, kept_text = k, got
+        cut = start + keep
+        for name in view.processed:
+            entry = self._models[name]
+            if view.processed[name] > cut and not trim_cache_to(entry.cache, cut):
+                entry.cache = make_prompt_cache(entry.model)
+                view.processed[name] = 0
+            view.translated[name] = min(view.translated[name], view.processed[name], cut)
+        view.message_ends.pop()  # the answer's end, set again below
+        view.truncate(cut)
+        rest = want[len(kept_text.lstrip()):]
+        if rest:
+            ids, pieces, offsets = view.tokenize(rest, [(piece, 0, len(rest))], False)
+            shift = len(kept_text)
+            offsets = [(a + shift, b + shift) for a, b in offsets]
+            view.append(ids, writer, "generated", pieces, offsets)
+        view.message_ends.append(len(view))
+        view.last_token_eos = False
 
     def _forget(self):
         for fp, v in list(self._views.items()):
@@ -445,14 +522,14 @@ class Session:
             if ids:
                 # The new messages choose what the catch-up recomputes, and are read
                 # in its pass where they can be (all but the last token).
-                read = catch_up_gated(self, name, L, report, question=ids)
+                read = self._catch_up(name, L, report, question=ids)
                 prompt = ids[read:]
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
                 if view.processed[name] >= L:
                     restore(self, name, L - 1)
-                catch_up_gated(self, name, L - 1, report)
+                self._catch_up(name, L - 1, report)
                 prompt = view.tokens[-1:]
             for v in self._views.values():
                 self._append_chunk(v, chunks[id(v)], name, v is view)
@@ -488,6 +565,19 @@ class Session:
                 self._finish_answer(name, start, piece, report.text)
                 self._settle(name)
                 report.total_s = time.perf_counter() - t0
+
+    def _catch_up(self, name: str, end: int, report: TurnReport,
+                  question: Sequence[int] = ()) -> int:
+        """:func:`catch_up_gated`, recording which positions of the cache the model
+        did not compute itself (the whole catch-up when it translated anything).
+        Returns how many ``question`` tokens it read."""
+        view = self._view_of[name]
+        view.clip_foreign(name)
+        start = view.processed[name]
+        read = catch_up_gated(self, name, end, report, question)
+        if report.translated:
+            view.mark_foreign(name, start, view.processed[name])
+        return read
 
     def _append_chunk(self, view: Transcript, chunk, writer: str, own: bool,
                       kind: str = "prompt"):
@@ -562,6 +652,17 @@ class Session:
         if any(c.offset != length for c in cache):
             restore(self, name, length)
         view.processed[name] = length
+        view.clip_foreign(name)
+
+
+def _copy_layer(layer):
+    """A layer cache whose arrays are new array objects over the same values
+    (mlx-lm writes into a cache by rebinding its arrays, so the two stay apart)."""
+    out = copy.copy(layer)
+    for key, value in vars(layer).items():
+        if isinstance(value, mx.array):
+            setattr(out, key, value[...])
+    return out
 
 
 def _eos_ids(tokenizer) -> set:

@@ -57,6 +57,11 @@ class Transcript:
         self.message_ends: List[int] = []  # per message: position after its content
         self.processed: Dict[str, int] = {}
         self.translated: Dict[str, int] = {}  # positions of each cache that were translated
+        # Per model: ranges of its cache it did not compute itself (a catch-up that
+        # translated, whole: its native tail and recomputed words included), so
+        # what counts as an exact cache hit stays positional across truncations.
+        self.foreign: Dict[str, List[Tuple[int, int]]] = {}
+        self.template_kwargs: dict = {}  # more arguments for the chat template (tools)
         self.last_token_eos = False
 
     def __len__(self) -> int:
@@ -65,6 +70,41 @@ class Transcript:
     def add_model(self, name: str):
         self.processed.setdefault(name, 0)
         self.translated.setdefault(name, 0)
+        self.foreign.setdefault(name, [])
+
+    def copy(self) -> "Transcript":
+        """An independent copy (the tokenizer shared)."""
+        out = Transcript(self.tokenizer, self._use_template)
+        out.tokens, out.pieces, out.offsets = list(self.tokens), list(self.pieces), list(self.offsets)
+        out.spans = [Span(s.start, s.end, s.writer, s.kind) for s in self.spans]
+        out.piece_range = dict(self.piece_range)
+        out.message_ends = list(self.message_ends)
+        out.processed, out.translated = dict(self.processed), dict(self.translated)
+        out.foreign = {name: list(r) for name, r in self.foreign.items()}
+        out.template_kwargs = dict(self.template_kwargs)
+        out.last_token_eos = self.last_token_eos
+        return out
+
+    def mark_foreign(self, name: str, start: int, end: int):
+        """Positions start..end-1 of ``name``'s cache were not computed by it."""
+        if end > start:
+            self.foreign[name].append((start, end))
+
+    def clip_foreign(self, name: str):
+        """Forget foreign ranges beyond what ``name``'s cache holds now."""
+        held = self.processed[name]
+        self.foreign[name] = [(a, min(b, held)) for a, b in self.foreign[name] if a < held]
+
+    def own_positions(self, name: str) -> int:
+        """Positions of ``name``'s cache that it computed itself (an exact cache)."""
+        held = self.processed[name]
+        covered, end = 0, 0
+        for a, b in sorted(self.foreign[name]):
+            a, b = max(a, end), min(b, held)
+            if b > a:
+                covered += b - a
+                end = b
+        return held - covered
 
     def append(self, tokens: Sequence[int], writer: Optional[str], kind: str,
                pieces: Optional[Sequence[int]] = None, offsets: Optional[Offsets] = None):
@@ -102,6 +142,7 @@ class Transcript:
         self.message_ends = [e for e in self.message_ends if e <= length]
         for name in self.processed:
             self.processed[name] = min(self.processed[name], length)
+            self.clip_foreign(name)
 
     def pending(self, name: str, end: int) -> List[Span]:
         """The spans between what ``name`` has processed and ``end``, clipped, with
@@ -137,7 +178,7 @@ class Transcript:
         message, then ``assistant:``."""
         if self.uses_template():
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
             )
         return "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant:"
 
