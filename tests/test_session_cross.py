@@ -181,8 +181,15 @@ def test_a_cross_tokenizer_catch_up_recomputes_old_words_with_their_context(toy_
     _, ta = load(toy_pair_dirs[1])
     _, tb = load(toy_pair_dirs[1])
     tb._tokenizer.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
-    s = Session({"a": (m, ta), "b": (m, tb)},
-                {("a", "b"): identity(m, ta, tb), ("b", "a"): identity(m, tb, ta)},
+    # The words' choice, not the question's: a's answer below re-tokenizes into other
+    # byte-level pieces in b's view, so even with exact maps the positions after it
+    # are translated from a context that differs from b's. The tolerance below holds
+    # for the fact-like words' spans this test was written around (other spans leave
+    # the first answer tokens ~0.5 nats off); what it checks is that their recompute
+    # reads the rows the catch-up kept.
+    ab, ba = identity(m, ta, tb), identity(m, tb, ta)
+    ab.spec.recompute_select = ba.spec.recompute_select = "lexical"
+    s = Session({"a": (m, ta), "b": (m, tb)}, {("a", "b"): ab, ("b", "a"): ba},
                 chat_template=False, recompute=0.5, recompute_max=0)
     s.generate("a", "Remember this.", max_tokens=4)  # a's answer: translated after a prefill
     s.read("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini. "

@@ -259,11 +259,7 @@ class FactRecompute:
             return cls()
         t0 = time.perf_counter()
         entry, view = session.entry(name), session.transcript_of(name)
-        # Known limit: a model with sliding-window layers keeps the lexical choice in
-        # a catch-up; with the question's choice its recompute did not stay exact
-        # there (tiny gemma3, windows of 8, exact maps), which is not understood yet.
-        sliding = any(lg.window for lg in cache_geometry(entry.model).layers)
-        by_question = question and not sliding and any(
+        by_question = question and any(
             getattr(t.spec, "recompute_select", "question") == "question" for t in translators)
         share = int(count * LEXICAL_SHARE) if by_question else count
         text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
