@@ -119,3 +119,28 @@ def test_switch_between_the_qwen_models_needs_no_training(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Fitting" not in proc.stdout + proc.stderr
     assert re.search(r"switch is [\d.]+x faster", proc.stdout)
+
+
+def test_mlx_lm_generation_after_a_shipped_switch_equals_generate_after_switch(models):
+    """With the shipped SmolLM2 -> Gemma 3 file and its defaults (native tail,
+    recompute chosen by the question), mlx-lm's own loop from the result's prompt
+    and prompt cache gives the greedy tokens generate_after_switch gives, and recalls
+    a fact stated far back as it does."""
+    from mlx_lm.generate import stream_generate
+
+    from mlx_kvlingo import generate_after_switch, switch_text
+    from mlx_kvlingo.pairs.shipped import load_shipped
+
+    t = load_shipped("smollm2", "gemma3")
+    (src, stok), (tgt, ttok) = models["smollm2"], models["gemma3"]
+    filler = " ".join(x for _, x in data.split_documents(data.read_corpus("austen"))[1])
+    text = ("The reference number of the order is 631429. " + filler[:1800]
+            + " The reference number of the order is")
+    fused = switch_text(src, stok, tgt, ttok, t, text)
+    handed = switch_text(src, stok, tgt, ttok, t, text)
+    assert fused.deferred  # the file's recompute is there to be done
+    want = [r.token for r in generate_after_switch(tgt, ttok, fused, max_tokens=8)]
+    got = [r.token for r in stream_generate(tgt, ttok, handed.prompt,
+                                            prompt_cache=handed.prompt_cache, max_tokens=8)]
+    assert got == want
+    assert "631429" in ttok.decode(want).replace(" ", "")
