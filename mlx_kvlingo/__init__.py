@@ -3,7 +3,7 @@ can switch models without re-prefilling its context.
 
 The package is layered, each layer importing only from those below it:
 
-- foundation: ``blas`` (fast BLAS, loaded before ``mlx.core``), ``errors``,
+- foundation: ``blas`` (fast BLAS, loaded before ``mlx.core``), ``errors``, ``progress``, ``plotting``,
   ``files``, ``cpu_math``, ``metrics``;
 - ``models``: loading (mlx-lm directories, GGUF, models fetched from PyPI), cache
   geometry, rope in and out, reading and writing caches, features;

@@ -354,10 +354,10 @@ def test_recomputing_fact_like_words_after_an_exact_catch_up_changes_nothing(tar
 
 
 def test_a_session_recomputes_what_its_translators_default_to(target):
-    """Without its own budget a Session recomputes twice the share the translators
-    that wrote a catch-up default to (spec.recompute), capped at their
-    spec.recompute_max; its own budget (0: none) overrides them; a budget out of
-    range is refused."""
+    """Without its own budget a Session recomputes what a switch of the whole
+    conversation would: the share the translators that wrote a catch-up default to
+    (spec.recompute), less their reserve, capped at their spec.recompute_max; its
+    own budget (0: none) overrides them; a budget out of range is refused."""
     m, tok = target
     turns = [("a", "The locker code is 58213 and the helper is parse_cfg_v2 for Pomini."),
              ("b", "Which code was it?")]
@@ -373,13 +373,13 @@ def test_a_session_recomputes_what_its_translators_default_to(target):
 
     assert 0 < recomputed()[0] <= 10
     assert recomputed(recompute=0.0)[0] == 0
-    # Uncapped: twice the file's share, what a session's own budget of it recomputes.
-    assert recomputed(0.15, recompute_max=0) == recomputed(recompute=0.3, recompute_max=0)
-    assert recomputed(0.15, recompute_max=0)[0] > recomputed(recompute=0.15, recompute_max=0)[0]
+    # Uncapped: the file's share, what a session's own budget of it recomputes.
+    assert recomputed(0.3, recompute_max=0) == recomputed(recompute=0.3, recompute_max=0)
+    assert recomputed(0.3, recompute_max=0)[0] > recomputed(recompute=0.1, recompute_max=0)[0]
     assert recomputed(0.0)[0] == 0  # files that recompute nothing: a catch-up neither
-    # The files' reserve comes off their doubled share; a session's own share has none.
-    assert recomputed(0.15, reserve=3, recompute_max=0)[0] < recomputed(0.15, recompute_max=0)[0]
-    assert recomputed(0.15, reserve=3, recompute=0.3, recompute_max=0) == recomputed(
+    # The files' reserve comes off their share; a session's own share has none.
+    assert recomputed(0.3, reserve=3, recompute_max=0)[0] < recomputed(0.3, recompute_max=0)[0]
+    assert recomputed(0.3, reserve=3, recompute=0.3, recompute_max=0) == recomputed(
         recompute=0.3, recompute_max=0)
     with pytest.raises(KvlingoError, match="share of the context"):
         twin_session(m, tok, recompute=1.5)

@@ -9,7 +9,6 @@ from tiny import identity_translator, tiny_model
 
 from mlx_kvlingo import generate_after_switch
 from mlx_kvlingo.errors import KvlingoError
-from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.features import attention_weights
 from mlx_kvlingo.switching.api import switch, switch_text, translate_context
 from mlx_kvlingo.switching.query import question_scores, question_spans

@@ -11,7 +11,7 @@ bad translation.
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -19,16 +19,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
 from ..models.geometry import cache_geometry
-from ..switching.api import LEXICAL_SHARE, RecomputeBudget, translate_aligned, translate_span
+from ..switching.api import translate_aligned, translate_span
+from ..switching.choice import RecomputeBudget, RecomputePlan, resolve_select
 from ..switching.kernel import History
-from ..switching.query import question_scores, question_spans
-from ..switching.recompute import (
-    Span,
-    recompute_and_read,
-    recompute_spans,
-    salient_spans,
-    token_offsets,
-)
+from ..switching.recompute import recompute_and_read, recompute_spans, token_offsets
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
 from .turns import TurnReport
@@ -233,63 +227,48 @@ def restore(session, name: str, length: int):
 @dataclass
 class FactRecompute:
     """What a catch-up recomputes of the positions lo..hi-1 it is about to
-    translate, up to the session's recompute budget (its own, or the translators'
-    defaults): the fact-like words, chosen before the translation, and (the
-    translators' default selection, switching.api.SELECTIONS) the positions the
-    question reads, chosen after it (:meth:`run`). Chosen first so that the
-    catch-up keeps the rows they read that its sliding-window layers drop
-    (``history``, which holds nothing for a model without such layers; None when
-    nothing will be recomputed)."""
+    translate: the switch's own plan (switching.choice.RecomputePlan), with the
+    session's budget (its own, or the translators' defaults, counted on the whole
+    conversation as a switch counts its context). Made before the translation so
+    that the catch-up keeps the rows the recompute reads that its sliding-window
+    layers drop (``history``: None when nothing will be recomputed)."""
 
-    spans: List[Span] = field(default_factory=list)
+    plan: RecomputePlan = field(default_factory=RecomputePlan)
     history: Optional[History] = None
     choose_s: float = 0.0
-    count: int = 0
-    lo: int = 0
-    hi: int = 0
-    by_question: bool = False
 
     @classmethod
     def choose(cls, session, name: str, lo: int, hi: int, translators=(),
                question: bool = True) -> "FactRecompute":
-        """``question``: whether :meth:`run` will have a question to choose with
-        (without one the fact-like words take the whole budget)."""
-        count = _recompute_budget(session, translators).positions(hi - lo)
-        if not count or hi - lo < 2:
+        """``question``: whether :meth:`run` will have a question to choose with."""
+        budget = _recompute_budget(session, translators)
+        if not budget.positions(hi) or hi - lo < 2:
             return cls()
         t0 = time.perf_counter()
         entry, view = session.entry(name), session.transcript_of(name)
-        by_question = question and any(
-            getattr(t.spec, "recompute_select", "question") == "question" for t in translators)
-        share = int(count * LEXICAL_SHARE) if by_question else count
-        text, offsets = token_offsets(entry.tokenizer, view.tokens[lo:hi])
-        spans = [(a + lo, b + lo) for a, b in salient_spans(
-            text, offsets, share, lo=1 if lo == 0 else 0, hi=hi - lo)]
-        first = max(lo, 1) if by_question else (spans[0][0] if spans else None)
-        history = History(since=first) if first is not None else None
-        return cls(spans, history, time.perf_counter() - t0, count, max(lo, 1), hi,
-                   by_question)
+        text = token_offsets(entry.tokenizer, view.tokens[lo:hi])
+        select = resolve_select([t.spec for t in translators], None)
+        plan = RecomputePlan.make(budget, hi, max(lo, 1), hi, select, text, text_from=lo,
+                                  question=question)
+        return cls(plan, plan.history(), time.perf_counter() - t0)
 
     def run(self, session, name: str, report: TurnReport, question: Sequence[int] = (),
             read: bool = False) -> int:
         """Recompute the chosen positions (after the catch-up translated them),
-        with those ``question`` (the tokens read next) attends to most. ``read``:
-        the pass also reads the question but for its last token (the cache ends
-        where it starts). Returns how many question tokens the cache holds now."""
-        if not self.count:
+        choosing with ``question`` (the tokens read next). ``read``: the pass also
+        reads the question but for its last token (the cache ends where it starts).
+        Returns how many question tokens the cache holds now."""
+        if not self.plan.count:
             return 0
         t0 = time.perf_counter()
         entry, view = session.entry(name), session.transcript_of(name)
         layers = self.history.layers if self.history is not None else None
-        spans = self.spans
-        if self.by_question and question:
-            end = min(c.offset for c in entry.cache)
-            scores = question_scores(entry.model, entry.cache,
-                                     list(view.tokens[:end]) + list(question), end, self.lo,
-                                     layers)
-            floor = max(self.lo, _whole_context_from(entry.model, entry.cache, layers or {}))
-            spans = question_spans(scores[floor - self.lo:], self.count, floor,
-                                   min(self.hi, end), keep=self.spans)
+        end = min(c.offset for c in entry.cache)
+        spans = self.plan.lexical
+        if question:
+            spans = self.plan.choose(
+                entry.model, entry.cache, list(view.tokens[:end]) + list(question), end,
+                layers, floor=_whole_context_from(entry.model, entry.cache, layers or {}))
         inputs = list(question[:-1]) if read else []
         if spans and inputs:
             recompute_and_read(entry.model, entry.cache, view.tokens, spans, inputs,
@@ -316,26 +295,8 @@ def _whole_context_from(model, cache, history: dict) -> int:
     return floor
 
 
-# A catch-up recomputes this many times the share its translators' files set for a
-# switch. A file's share is what a whole-context switch can afford at ~550 tokens; a
-# catch-up translates a turn or two, whose facts then compete for fewer positions,
-# and its cost is a small part of the turn. SmolLM2 -> Gemma 3 catch-ups (48 facts,
-# two switches after the fact): 10 % recalled 0.62 against the re-prefilled
-# conversation's 0.79, 20 % 0.75, 30 % 0.79, the last turn taking 617 / 705 / 705 ms
-# against 542 ms without the recompute.
-CATCH_UP_SHARE_FACTOR = 2.0
-
-
 def _recompute_budget(session, translators) -> RecomputeBudget:
-    """The session's recompute share and cap; what it leaves unset (None), from the
-    largest defaults among the translators that wrote the catch-up's spans (the
-    share times CATCH_UP_SHARE_FACTOR, at most all of it; with the smallest of
-    their reserves)."""
-    specs = [t.spec for t in translators]
-    share = session.recompute if session.recompute is not None else min(
-        1.0, CATCH_UP_SHARE_FACTOR * max([getattr(s, "recompute", 0.0) for s in specs] + [0.0]))
-    most = session.recompute_max if session.recompute_max is not None else max(
-        [getattr(s, "recompute_max", 0) for s in specs] + [0])
-    reserve = 0 if session.recompute is not None else min(
-        [getattr(s, "recompute_reserve", 0) for s in specs] or [0])
-    return RecomputeBudget(share, most, reserve)
+    """The session's recompute share and cap; what it leaves unset (None), the
+    defaults of the translators that wrote the catch-up's spans."""
+    return RecomputeBudget.of([t.spec for t in translators], session.recompute,
+                              session.recompute_max)

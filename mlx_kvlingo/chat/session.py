@@ -90,13 +90,13 @@ class Session:
     ``gate``: a :class:`~mlx_kvlingo.chat.gate.QualityGate` that judges every turn
     that starts on translated positions and re-prefills when it predicts a bad
     translation (None: no gate).
-    ``recompute``: after a catch-up translates, the model recomputes the words that
-    look like facts (numbers, names, identifiers) among the translated positions
-    itself, up to this share of them (0.1 = 10 %; 0: none): what a translated cache
-    loses first. ``recompute_max``: the most positions a catch-up recomputes (0: no
-    limit). None (default): from the translators' own defaults: twice their share
-    (``spec.recompute``: a catch-up's turns are short, and facts need more of them)
-    and their cap (``spec.recompute_max``).
+    ``recompute``: after a catch-up translates, the model recomputes some of the
+    translated positions itself, up to this share of the conversation (0.1 = 10 %;
+    0: none), chosen as a switch chooses them (switching.choice: the positions the
+    turn's new messages attend to, and the words that look like facts).
+    ``recompute_max``: the most positions a catch-up recomputes (0: no limit). None
+    (default): the translators' own defaults (``spec.recompute``,
+    ``spec.recompute_max``, ``spec.recompute_reserve``).
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;

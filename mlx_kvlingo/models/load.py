@@ -53,7 +53,7 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None, *,
         model, tokenizer = mlx_lm_load(str(path_or_repo), **options)
     except Exception as e:  # mlx-lm raises several types for "not found"
         raise KvlingoError(_load_error_message(path_or_repo, e)) from e
-    quantized = _is_quantized(model)
+    quantized = is_quantized(model)
     if on_cpu and quantized and not keep_quantized:
         model = dequantize_model(model)
         quantized = False
@@ -91,7 +91,7 @@ def _load_error_message(path_or_repo, error):
     )
 
 
-def _is_quantized(model: nn.Module) -> bool:
+def is_quantized(model: nn.Module) -> bool:
     return any(
         isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         for _, m in model.named_modules()

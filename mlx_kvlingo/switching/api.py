@@ -19,8 +19,9 @@ from ..models.cache import copy_cache, prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
 from .kernel import EarlyLayer, History, map_early_layer, translate_into
-from .query import MIN_QUESTION, question_scores, question_spans
-from .recompute import Span, recompute_and_read, recompute_spans, salient_spans, token_offsets
+from .choice import LEXICAL_SHARE, SELECTIONS, RecomputeBudget, RecomputePlan, resolve_select  # noqa: F401
+from .query import MIN_QUESTION
+from .recompute import Span, recompute_and_read, recompute_spans, token_offsets
 
 
 def as_batch(tokens) -> mx.array:
@@ -261,24 +262,6 @@ class SwitchResult:
         return target
 
 
-# How a switch chooses the positions its target recomputes (``spec.recompute_select``,
-# or ``select=``): "question" (the default): the positions the question reads
-# (switching.query), with the fact-like words; "lexical": the fact-like words only
-# (switching.recompute.salient_words).
-SELECTIONS = ("question", "lexical")
-# With "question", the fact-like words may take at most this share of the budget;
-# the question's choice fills the rest.
-LEXICAL_SHARE = 0.5
-
-
-def resolve_select(translator: Translator, select: Optional[str]) -> str:
-    select = getattr(translator.spec, "recompute_select", "question") if select is None \
-        else select
-    if select not in SELECTIONS:
-        raise KvlingoError(f"select is one of {', '.join(SELECTIONS)}, not {select!r}.")
-    return select
-
-
 def switch(
     source: nn.Module,
     target: nn.Module,
@@ -312,7 +295,7 @@ def switch(
     if tokens.shape[0] != 1:
         raise KvlingoError("switch() takes one sequence at a time.")
     ids = tokens[0].tolist()
-    select = resolve_select(translator, select)
+    select = resolve_select([translator.spec], select)
     if text is None and tokenizer is not None:
         text = token_offsets(tokenizer, ids)
     budget = RecomputeBudget.of(translator, recompute, recompute_max)
@@ -330,76 +313,22 @@ def switch(
 
 
 def _switch(source, target, translator, source_cache, alignment, tokens, m: int, t0: float,
-            budget: "RecomputeBudget", select: str, text, early=None) -> SwitchResult:
+            budget: RecomputeBudget, select: str, text, early=None) -> SwitchResult:
     """The switch every entry point makes: translate all but the last m + 1
-    positions, then choose what the target recomputes (left deferred)."""
+    positions, then choose what the target recomputes (switching.choice), left for
+    its first pass. The question is the context's last tokens: the pending ones, at
+    least the last MIN_QUESTION."""
     ids = tokens[0].tolist()
     n, lo = len(ids), max(translator.spec.native_prefix, 1)
     end = _translated_end(n, m)
-    count = budget.positions(n)
-    lexical = []
-    if count and text is not None:
-        share = count if select == "lexical" else int(count * LEXICAL_SHARE)
-        lexical = salient_spans(text[0], text[1], share, translator.spec.native_prefix, end)
-    by_question = bool(count) and select == "question" and end > lo + 1
-    since = lo if by_question else (lexical[0][0] if lexical else None)
+    plan = RecomputePlan.make(budget, n, lo, end, select, text, question=end > lo + 1)
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                            early=early, history=None if since is None else History(since))
+                            early=early, history=plan.history())
     result.target = target
-    spans = lexical
-    if by_question:
-        start = min(end, max(n - MIN_QUESTION, lo + 1))
-        scores = question_scores(target, result._cache, ids, start, lo, result.history)
-        spans = question_spans(scores, count, lo, start, keep=lexical)
-        result.translate_s = time.perf_counter() - t0
+    start = min(end, max(n - MIN_QUESTION, lo + 1))
+    spans = plan.choose(target, result._cache, ids, start, result.history)
+    result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
     return _defer(result, spans, ids)
-
-
-@dataclass(frozen=True)
-class RecomputeBudget:
-    """How many context positions a switch lets the target recompute: ``share`` of
-    them (0.1 = 10 %) less ``reserve``, at most ``most`` (0: no limit).
-
-    Why a reserve: a switch costs a fixed part (its first pass, which reads the
-    pending tokens anyway) and parts that grow with the context (the maps; each
-    recomputed position about a re-prefilled one), so for its time to stay one
-    share of a re-prefill's, the positions it may recompute are a share of the
-    context less a fixed number. Gemma 3 -> SmolLM2 on this project's CPU: 82 of
-    ~550 positions (15 %) and 218 of ~1,100 (20 %) both took 0.30-0.31 of a
-    re-prefill's time: a share of 25 % less 55."""
-
-    share: float = 0.0
-    most: int = 0
-    reserve: int = 0
-
-    @classmethod
-    def of(cls, translator: Translator, share: Optional[float] = None,
-           most: Optional[int] = None) -> "RecomputeBudget":
-        """The budget asked for; what is not given (None) is the translator's
-        default (``spec.recompute``, ``spec.recompute_max``). The file's reserve
-        (``spec.recompute_reserve``) comes with its share: a share asked for is
-        that share of the context."""
-        spec = translator.spec
-        reserve = getattr(spec, "recompute_reserve", 0) if share is None else 0
-        share = getattr(spec, "recompute", 0.0) if share is None else share
-        most = getattr(spec, "recompute_max", 0) if most is None else most
-        cls.check(share, most)
-        return cls(float(share), most, reserve)
-
-    @staticmethod
-    def check(share: Optional[float], most: Optional[int]) -> None:
-        """Refuse a share outside [0, 1] or a negative cap (None: not given)."""
-        if share is not None and not (isinstance(share, (int, float))
-                                      and not isinstance(share, bool) and 0 <= share <= 1):
-            raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
-        if most is not None and not (isinstance(most, int) and not isinstance(most, bool)
-                                     and most >= 0):
-            raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
-
-    def positions(self, n: int) -> int:
-        """The positions it allows in an n-token context."""
-        count = max(int(self.share * n) - self.reserve, 0)
-        return min(count, self.most) if self.most else count
 
 
 def _translated_end(n: int, m: int) -> int:
@@ -472,7 +401,7 @@ def switch_text(
         return switch(source, target, translator, mx.array(ids), source_cache=source_cache,
                       native_tail=native_tail, recompute=recompute, text=(text, offsets),
                       recompute_max=recompute_max, select=select)
-    select = resolve_select(translator, select)
+    select = resolve_select([translator.spec], select)
     budget = RecomputeBudget.of(translator, recompute, recompute_max)
     m = resolve_native_tail(translator, native_tail)
     if source_cache is None:

@@ -1,0 +1,153 @@
+"""What the target recomputes after a translation: one budget rule and one choice,
+for a one-shot switch and for a conversation's catch-up alike.
+
+A budget (:class:`RecomputeBudget`) says how many positions: a share of the
+context less a reserve, up to a cap, the translator file's defaults unless asked
+otherwise. A plan (:class:`RecomputePlan`) says which: before the translation,
+the context's fact-like words (switching.recompute.salient_spans), which need only
+the text; after it, with the default selection, the positions the question reads
+(switching.query), which fill the rest of the budget.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import KvlingoError
+from .kernel import History
+from .query import question_scores, question_spans
+from .recompute import Span, salient_spans
+
+# How the positions are chosen (``spec.recompute_select``, or ``select=``):
+# "question" (the default): the positions the question reads, with the fact-like
+# words; "lexical": the fact-like words only.
+SELECTIONS = ("question", "lexical")
+# With "question", the fact-like words may take at most this share of the budget;
+# the question's choice fills the rest.
+LEXICAL_SHARE = 0.5
+
+
+def resolve_select(specs: Sequence, select: Optional[str]) -> str:
+    """The selection asked for, or the translators' own ("question" if any of them
+    says so)."""
+    if select is None:
+        ways = [getattr(s, "recompute_select", "question") for s in specs] or ["question"]
+        select = "question" if "question" in ways else "lexical"
+    if select not in SELECTIONS:
+        raise KvlingoError(f"select is one of {', '.join(SELECTIONS)}, not {select!r}.")
+    return select
+
+
+@dataclass(frozen=True)
+class RecomputeBudget:
+    """How many context positions the target recomputes: ``share`` of them (0.1 =
+    10 %) less ``reserve``, at most ``most`` (0: no limit).
+
+    Why a reserve: a switch costs a fixed part (its first pass, which reads the
+    pending tokens anyway) and parts that grow with the context (the maps; each
+    recomputed position about a re-prefilled one), so for its time to stay one
+    share of a re-prefill's, the positions it may recompute are a share of the
+    context less a fixed number."""
+
+    share: float = 0.0
+    most: int = 0
+    reserve: int = 0
+
+    @classmethod
+    def of(cls, specs, share: Optional[float] = None,
+           most: Optional[int] = None) -> "RecomputeBudget":
+        """The budget asked for; what is not given (None) is the translators'
+        default (``spec.recompute``, ``spec.recompute_max``; with several, the
+        largest, and the smallest reserve). ``specs``: a translator, its spec, or
+        several specs. The files' reserve comes with their share: a share asked for
+        is that share of the context."""
+        specs = _specs(specs)
+        reserve = min([getattr(s, "recompute_reserve", 0) for s in specs] or [0]) \
+            if share is None else 0
+        share = max([getattr(s, "recompute", 0.0) for s in specs] or [0.0]) \
+            if share is None else share
+        most = max([getattr(s, "recompute_max", 0) for s in specs] or [0]) \
+            if most is None else most
+        cls.check(share, most)
+        return cls(float(share), most, reserve)
+
+    @staticmethod
+    def check(share: Optional[float], most: Optional[int]) -> None:
+        """Refuse a share outside [0, 1] or a negative cap (None: not given)."""
+        if share is not None and not (isinstance(share, (int, float))
+                                      and not isinstance(share, bool) and 0 <= share <= 1):
+            raise KvlingoError(f"recompute is a share of the context in [0, 1], not {share!r}.")
+        if most is not None and not (isinstance(most, int) and not isinstance(most, bool)
+                                     and most >= 0):
+            raise KvlingoError(f"recompute_max is a number of positions >= 0, not {most!r}.")
+
+    def positions(self, n: int) -> int:
+        """The positions it allows in an n-token context."""
+        count = max(int(self.share * n) - self.reserve, 0)
+        return min(count, self.most) if self.most else count
+
+
+def _specs(specs) -> list:
+    if hasattr(specs, "spec"):  # a Translator
+        return [specs.spec]
+    if hasattr(specs, "recompute"):  # one spec
+        return [specs]
+    return [getattr(s, "spec", s) for s in specs]
+
+
+@dataclass
+class RecomputePlan:
+    """Which positions of lo..hi-1 (the translated ones) the target recomputes, up
+    to ``count``: ``lexical`` (the fact-like words, chosen from the text before the
+    translation), then, ``by_question``, those the question attends to
+    (:meth:`choose`, after the translation). Made before the translation so that
+    it keeps the rows the recompute reads that sliding-window layers drop
+    (:meth:`history`)."""
+
+    count: int = 0
+    lo: int = 1
+    hi: int = 1
+    lexical: List[Span] = field(default_factory=list)
+    by_question: bool = False
+
+    @classmethod
+    def make(cls, budget: RecomputeBudget, n: int, lo: int, hi: int, select: str,
+             text: Optional[Tuple[str, Sequence[Tuple[int, int]]]] = None,
+             text_from: int = 0, question: bool = True) -> "RecomputePlan":
+        """The plan for an n-token context whose positions lo..hi-1 are translated.
+        ``text``: (text, each token's characters) of positions text_from.. (None:
+        no fact-like words); ``question``: whether a question will be read after
+        the translation (without one the fact-like words take the whole budget)."""
+        count = min(budget.positions(n), max(hi - lo, 0))
+        if not count:
+            return cls()
+        by_question = question and select == "question"
+        lexical = []
+        if text is not None:
+            share = int(count * LEXICAL_SHARE) if by_question else count
+            lexical = [(a + text_from, b + text_from) for a, b in salient_spans(
+                text[0], text[1], share, lo - text_from, hi - text_from)]
+        return cls(count, lo, hi, lexical, by_question)
+
+    def history(self) -> Optional[History]:
+        """The rows to keep for the recompute (None: nothing will be recomputed)."""
+        if self.by_question:
+            return History(since=self.lo)
+        return History(since=self.lexical[0][0]) if self.lexical else None
+
+    def choose(self, target, cache: List, tokens: Sequence[int], question_start: int,
+               history: Optional[dict] = None, floor: int = 0) -> List[Span]:
+        """The spans to recompute, once ``cache`` holds the translation:
+        ``tokens[question_start:]`` is the question (positions the cache holds are
+        read again, the others after them; nothing is written). ``floor``: the
+        first position the question's choice may take."""
+        if not self.by_question or not self.count:
+            return self.lexical
+        lo = max(self.lo, floor)
+        hi = min(self.hi, question_start)
+        if hi - lo < 1:
+            return self.lexical
+        scores = question_scores(target, cache, tokens, question_start, self.lo, history)
+        return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
+                              keep=self.lexical)
