@@ -17,7 +17,7 @@ def register(app: typer.Typer):
     @app.command()
     def serve(
         model: Optional[List[str]] = typer.Option(
-            None, "--model", "-m",
+            None, "--model",
             help="NAME=PATH (or PATH) of an mlx-lm model; repeat. Default: the built-in pair."),
         translator: Optional[List[str]] = typer.Option(
             None, "--translator", "-t", help="SOURCE:TARGET=FILE (or FILE); repeat."),
@@ -42,8 +42,11 @@ def register(app: typer.Typer):
             False, help="Fit stage-1 translators for directions without one (cached)."),
         fit_tokens: int = typer.Option(10_000, help="Positions for stage-1 fits."),
         max_queue: int = typer.Option(8, help="Requests that may wait for the worker."),
-        max_tokens: int = typer.Option(2048, help="Largest max_tokens a request may ask."),
-        default_max_tokens: int = typer.Option(512, help="max_tokens when a request gives none."),
+        max_tokens: int = typer.Option(
+            512, "--max-tokens", "-m",
+            help="max_tokens when a request gives none (as mlx_lm.server's --max-tokens)."),
+        max_tokens_limit: int = typer.Option(
+            2048, help="Largest max_tokens a request may ask (a larger one gets a 400)."),
         max_body_kb: int = typer.Option(4096, help="Largest request body (KiB)."),
         max_conversations: int = typer.Option(32, help="Conversations kept (LRU)."),
         max_cache_mb: int = typer.Option(4096, help="Bytes of caches kept (MiB, LRU)."),
@@ -57,10 +60,10 @@ def register(app: typer.Typer):
             None, help="Origin browsers may call from (CORS); repeat. Default: any ('*')."),
         cache_dir: Optional[Path] = typer.Option(None, help="Where fitted translators are kept."),
         recompute: Optional[float] = typer.Option(
-            None, help="Share of the translated positions (0.1 = 10%%) the reading model "
-            "recomputes itself, on the words that look like facts (numbers, names, "
-            "identifiers): what a translated cache loses first. Default: the translator's "
-            "(0 for most files; see `mlx-kvlingo defaults`)."),
+            None, help="Share of the conversation (0.1 = 10%) the reading model recomputes "
+            "itself among the positions it translated, chosen by the request's new "
+            "messages and the words that look like facts. Default: the translator's (see "
+            "`mlx-kvlingo defaults`)."),
         recompute_max: Optional[int] = typer.Option(
             None, help="The most positions one catch-up recomputes (0: no limit; default: "
             "the translator's)."),
@@ -72,7 +75,7 @@ def register(app: typer.Typer):
             api_key=api_key, allow_insecure_bind=allow_insecure_bind, auto=auto,
             auto_entropy=auto_entropy, auto_probe=auto_probe, gate=gate,
             gate_threshold=gate_threshold, fit_missing=fit_missing, fit_tokens=fit_tokens,
-            max_queue=max_queue, max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+            max_queue=max_queue, max_tokens=max_tokens_limit, default_max_tokens=max_tokens,
             max_body_kb=max_body_kb, max_conversations=max_conversations,
             max_cache_mb=max_cache_mb, request_timeout=request_timeout, keepalive=keepalive,
             allowed_origins=allowed_origin or ["*"], cache_dir=cache_dir, recompute=recompute,

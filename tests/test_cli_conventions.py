@@ -33,16 +33,7 @@ def commands():
     return found
 
 
-def _known_exception(name):
-    # `serve`'s options are defined in cli/serve_cmd.py; it still uses -m for
-    # --model and doubles %: strict, so this fails once it is brought in line.
-    if name == "serve":
-        return pytest.mark.xfail(strict=True, reason="serve's options not yet aligned")
-    return ()
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_known_exception(n))
-                                  for n in sorted(commands())])
+@pytest.mark.parametrize("name", sorted(commands()))
 def test_dash_m_is_max_tokens_wherever_it_is_used(name):
     for param in commands()[name].params:
         if "-m" in getattr(param, "opts", []):
@@ -60,8 +51,7 @@ def test_commands_that_generate_take_dash_m():
                                      for o in getattr(p, "opts", [])]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_known_exception(n))
-                                  for n in sorted(commands())])
+@pytest.mark.parametrize("name", sorted(commands()))
 def test_help_shows_no_doubled_percent(name):
     result = CliRunner().invoke(app, [*name.split(), "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
