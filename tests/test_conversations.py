@@ -261,3 +261,24 @@ def test_a_stop_string_cut_across_tokenizers_reads_like_the_text_sent(toy_pair_d
     got, s2 = run(store, "b", msgs, max_tokens=6)
     assert s2.conversation == s.conversation and s2.translated_tokens > 0
     assert got == run(ConversationStore(base), "b", msgs, max_tokens=6)[0]
+
+
+def test_own_positions_leave_out_foreign_ranges_through_truncation():
+    from mlx_kvlingo.chat.transcript import Transcript
+
+    view = Transcript()
+    view.add_model("a")
+    view.append(list(range(100)), "a", "prompt")
+    view.processed["a"] = 100
+    view.mark_foreign("a", 10, 30)
+    view.mark_foreign("a", 20, 40)  # overlapping ranges count once
+    view.mark_foreign("a", 60, 70)
+    assert view.own_positions("a") == 100 - 30 - 10
+    view.truncate(65)  # the cache is cut inside the last foreign range
+    assert view.own_positions("a") == 65 - 30 - 5
+    view.processed["a"] = 0  # the cache was reset: nothing held, nothing foreign
+    view.clip_foreign("a")
+    assert view.own_positions("a") == 0 and view.foreign["a"] == []
+    copy = view.copy()
+    copy.mark_foreign("a", 0, 1)
+    assert view.foreign["a"] == []  # a copy's ranges are its own

@@ -662,6 +662,8 @@ def _copy_layer(layer):
     for key, value in vars(layer).items():
         if isinstance(value, mx.array):
             setattr(out, key, value[...])
+        elif isinstance(value, list):  # caches that keep a list of arrays (state-space layers)
+            setattr(out, key, [v[...] if isinstance(v, mx.array) else v for v in value])
     return out
 
 

@@ -4,7 +4,8 @@ A thin HTTP layer (the standard library's ThreadingHTTPServer): handler threads
 parse, check and serialise; every model computation runs on the engine's one
 worker thread (:mod:`.engine`), conversations and routing live in
 :mod:`.conversations`. Endpoints: ``GET /health``, ``GET /v1/models``,
-``POST /v1/chat/completions`` (streamed as server-sent events or not).
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as
+server-sent events or not), and ``OPTIONS`` for CORS preflights.
 
 Nothing a request says can load a model or read a file: ``model`` must be one of
 the names given on the command line (or ``auto``).
