@@ -15,7 +15,7 @@ PACKAGE = ROOT / "mlx_kvlingo"
 # Bottom to top. A module may import from its own layer's modules and from layers
 # below; the foundation modules are single files under mlx_kvlingo/.
 LAYERS = [
-    ("blas", "errors", "files", "cpu_math", "metrics"),
+    ("blas", "errors", "files", "cpu_math", "metrics", "plotting", "progress"),
     ("models",),
     ("data",),
     ("translator",),
