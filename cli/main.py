@@ -524,7 +524,7 @@ def _prompt_tokens(tokenizer, prompt: str, raw: bool):
     return tokenizer.encode(prompt)
 
 
-def _switch_printer(echo=None):
+def switch_printer(echo=None):
     """``on_text(kind, segment)`` for :func:`run_switch`: prints each answer's
     segments as they are generated, under a header when the answer starts."""
     from mlx_kvlingo_cli.common import echo_stream
@@ -618,7 +618,7 @@ def switch_cmd(
             from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
-        printer = _switch_printer()
+        printer = switch_printer()
         # The switched cache is built here; the answers stream through the printer.
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
                        recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max,

@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from mlx_kvlingo_cli.common import echo_stream, make_sampler, read_prompt
-from mlx_kvlingo_cli.main import _switch_printer, app
+from mlx_kvlingo_cli.main import switch_printer, app
 
 TOY = Path(__file__).resolve().parents[1] / "mlx_kvlingo" / "assets" / "toy_pair"
 TOY_TRANSLATOR = TOY / "source-to-target.safetensors"
@@ -145,7 +145,7 @@ def test_run_switch_hands_each_segment_over_while_generating(monkeypatch):
 
     tokens = src_tok.encode("Return the number of items in the list, and close the file.")
     r = compare.run_switch(src, src_tok, tgt, tgt_tok, t, tokens, 12, False,
-                           on_text=_switch_printer(write))
+                           on_text=switch_printer(write))
     assert "".join(printed) == "--- target after switch ---\n" + r["switch_answer"]
     # A segment is printed between two generated tokens, not only at the end.
     first_print = events.index("printed")
@@ -265,7 +265,11 @@ def test_load_keeps_a_quantized_model_quantized_when_asked(quantized_toy):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_kvlingo.models.load import _is_quantized, load
+    from mlx_kvlingo.models.load import load
+
+    def _is_quantized(model):
+        return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in model.named_modules())
 
     if mx.default_device() != mx.cpu:
         pytest.skip("the CPU's defaults")
