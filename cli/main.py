@@ -556,6 +556,15 @@ def switch_printer(echo=None):
     return on_text
 
 
+def _warm_sampler(sampler, model):
+    """Run mlx-lm's (compiled) sampler once on logits of the model's vocabulary, so
+    its compilation is not timed as part of the first token."""
+    import mlx.core as mx
+
+    vocab = model(mx.array([[0]])).shape[-1]
+    mx.eval(sampler(mx.zeros((1, vocab))))
+
+
 @app.command("switch")
 def switch_cmd(
     source: str = typer.Option(..., help="Model that reads the context."),
@@ -625,6 +634,8 @@ def switch_cmd(
             from mlx_kvlingo.chat.gate import QualityGate
 
             judge = QualityGate(threshold=gate_threshold)
+        if sampler is not None:
+            _warm_sampler(sampler, tgt)
         printer = switch_printer()
         # The switched cache is built here; the answers stream through the printer.
         r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,

@@ -301,6 +301,12 @@ def test_load_gguf_keeping_mlx_quantization(tiny_gguf):
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
     assert not isinstance(model.layers[1].mlp.down_proj, nn.QuantizedLinear)  # Q6_K
     check_logits(model, reference_model(ARCHS[arch], ref), atol=2e-4)
+    # The package's loader keeps it so when asked (on the CPU it dequantizes by default).
+    kept, _ = load(str(path), keep_quantized=True)
+    assert isinstance(kept.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    if mx.default_device() == mx.cpu:
+        dense, _ = load(str(path))
+        assert not isinstance(dense.layers[0].self_attn.q_proj, nn.QuantizedLinear)
 
 
 def test_converted_directories_open_with_mlx_lm_and_models_load(tiny_gguf, tmp_path):

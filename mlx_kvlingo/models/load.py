@@ -35,14 +35,16 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None, *,
     Metal or CUDA a model loads as mlx-lm loads it unless ``dtype`` is given.
 
     ``adapter_path``, ``revision``, ``tokenizer_config``: passed to mlx-lm's
-    ``load`` (LoRA adapters, a hub revision, tokenizer options); not for GGUF files.
+    ``load`` (LoRA adapters, a hub revision, tokenizer options); not for GGUF files
+    (``keep_quantized`` is: their quantized tensors become MLX-quantized layers).
     """
     path_or_repo = _pretrained_dir(path_or_repo)
     if str(path_or_repo).endswith(".gguf"):
         if adapter_path or revision or tokenizer_config:
             raise KvlingoError("adapter_path, revision and tokenizer_config are for mlx-lm "
                                f"models, not a GGUF file ({path_or_repo}).")
-        model, tokenizer = load_gguf(path_or_repo, dtype=dtype)
+        model, tokenizer = load_gguf(path_or_repo, dtype=dtype,
+                                     dequantize=False if keep_quantized else None)
         model.name_or_path = str(path_or_repo)
         check_supported(model)
         return model, tokenizer

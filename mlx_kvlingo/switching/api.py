@@ -181,6 +181,8 @@ class SwitchResult:
     # which those positions are read from.
     deferred: List[Span] = field(default_factory=list)
     context: Optional[List[int]] = None
+    # The context's text and each target token's characters in it, where known.
+    text: Optional[Tuple[str, Sequence[Tuple[int, int]]]] = None
     # Rows older than a sliding-window layer keeps that the deferred recompute reads
     # (kernel.History.layers: layer -> (first position, keys, values)).
     history: dict = field(default_factory=dict)
@@ -246,8 +248,8 @@ class SwitchResult:
         other as it was. Only of a result not read yet."""
         self._take("copy")
         return SwitchResult(copy_cache(self._cache), self.pending, self.translate_s,
-                            self.target, list(self.deferred), self.context,
-                            dict(self.history))
+                            self.target, deferred=list(self.deferred), context=self.context,
+                            text=self.text, history=dict(self.history))
 
     def _take(self, what: str):
         if self._state != "fresh":
@@ -328,7 +330,7 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
     start = min(end, max(n - MIN_QUESTION, lo + 1))
     spans = plan.choose(target, result._cache, ids, start, result.history)
     result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
-    return _defer(result, spans, ids)
+    return _defer(result, spans, ids, text)
 
 
 def _translated_end(n: int, m: int) -> int:
@@ -337,10 +339,10 @@ def _translated_end(n: int, m: int) -> int:
     return max(n - 1 - m, 0)
 
 
-def _defer(result: SwitchResult, spans: List[Span], tokens: Sequence[int]) -> SwitchResult:
+def _defer(result: SwitchResult, spans: List[Span], tokens: Sequence[int],
+           text=None) -> SwitchResult:
     """Leave ``spans`` to the target's first pass (``result.deferred``)."""
-    if spans:
-        result.deferred, result.context = spans, list(tokens)
+    result.deferred, result.context, result.text = list(spans), list(tokens), text
     return result
 
 
