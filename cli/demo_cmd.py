@@ -182,7 +182,7 @@ def show_fidelity(pair, src, tgt, named, items, context, what: str):
 
 def show_switch(src, stok, tgt, ttok, named, context, max_tokens, repeats, truth=None):
     """Switch ``context`` (token ids or text) against a re-prefill: timing, answers."""
-    from mlx_kvlingo.measure.compare import run_switch
+    from mlx_kvlingo.switching.pipeline import run_switch
 
     name, translator = named
     r = run_switch(src, stok, tgt, ttok, translator, context, max_tokens, True, repeats)

@@ -521,16 +521,6 @@ def _recall(source, target, translator, tokens, items, recompute, json_out, reco
 # switch
 
 
-def _prompt_tokens(tokenizer, prompt: str, raw: bool):
-    if not prompt.strip():
-        raise KvlingoError("The prompt is empty.")
-    if not raw and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    return tokenizer.encode(prompt)
-
-
 def switch_printer(echo=None):
     """``on_text(kind, segment)`` for :func:`run_switch`: prints each answer's
     segments as they are generated, under a header when the answer starts."""
@@ -604,8 +594,9 @@ def switch_cmd(
     """The source reads the prompt, its cache is translated, the target answers;
     the answer is printed as it is generated."""
 
-    from mlx_kvlingo.measure.compare import run_switch
+    from mlx_kvlingo.chat.gate import QualityGate, SwitchJudge
     from mlx_kvlingo.pairs.shipped import translator_for
+    from mlx_kvlingo.switching.pipeline import prompt_context, run_switch
     from mlx_kvlingo_cli.common import make_sampler, read_prompt
 
     def go():
@@ -618,28 +609,20 @@ def switch_cmd(
         src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo,
                                                keep_quantized=keep_quantized)
         t.check_models(src, tgt, src_tok, tgt_tok)
-        if t.cross_tokenizer:
-            if not raw:
-                typer.echo("(cross-tokenizer pair: the prompt is used as plain text, "
-                           "without a chat template)")
-            if not text.strip():
-                raise KvlingoError("The prompt is empty.")
-            context = text
-        else:
-            context = _prompt_tokens(src_tok, text, raw)
-            if len(context) < 2:
-                raise KvlingoError("The prompt must be at least 2 tokens long.")
+        if t.cross_tokenizer and not raw:
+            typer.echo("(cross-tokenizer pair: the prompt is used as plain text, "
+                       "without a chat template)")
+        context = prompt_context(src_tok, text, t.cross_tokenizer, chat_template=not raw)
         judge = None
-        if gate:
-            from mlx_kvlingo.chat.gate import QualityGate
-
-            judge = QualityGate(threshold=gate_threshold)
+        if gate or fact_gate is not None:
+            judge = SwitchJudge(tgt, tgt_tok, t, QualityGate(threshold=gate_threshold)
+                                if gate else None, fact_gate)
         if sampler is not None:
             _warm_sampler(sampler, tgt)
         printer = switch_printer()
         # The switched cache is built here; the answers stream through the printer.
-        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare, gate=judge,
-                       recompute=recompute, fact_gate=fact_gate, recompute_max=recompute_max,
+        r = run_switch(src, src_tok, tgt, tgt_tok, t, context, max_tokens, compare,
+                       judge=judge, recompute=recompute, recompute_max=recompute_max,
                        sampler=sampler, on_text=printer)
         printer.start("switch")
         if compare:

@@ -80,7 +80,7 @@ def test_switch_reads_stdin_honours_dash_m_and_streams(monkeypatch):
     """`switch --prompt - -m 5 --temp 0.7`: the prompt comes from standard input,
     max_tokens and a sampler reach the switch, and the first segment is on standard
     output before the second is generated."""
-    from mlx_kvlingo.measure import compare
+    from mlx_kvlingo.switching import pipeline as compare
 
     seen = {}
 
@@ -113,7 +113,7 @@ def test_run_switch_hands_each_segment_over_while_generating(monkeypatch):
     """On the built-in pair: every segment of the switched answer reaches the
     printer before the next token is generated, and together they are the answer."""
     import mlx_kvlingo as kv
-    from mlx_kvlingo.measure import compare
+    from mlx_kvlingo.switching import pipeline as compare
 
     events = []
     original = compare.generate_after_switch

@@ -103,8 +103,8 @@ def test_the_switch_command_refuses_a_long_context_before_any_prefill(monkeypatc
     not after the source has read all of it."""
     from tiny import tiny_model
 
-    from mlx_kvlingo.measure import compare
-    from mlx_kvlingo.measure.compare import run_switch
+    from mlx_kvlingo.switching import pipeline as compare
+    from mlx_kvlingo.switching.pipeline import run_switch
 
     def no_prefill(*args, **kwargs):
         raise AssertionError("prefilled before the length check")

@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import KvlingoError
 from ..metrics import log_softmax, nll
 from ..models.cache import copy_cache, prefill
 from ..switching.api import SwitchResult, as_batch, switch
@@ -246,3 +247,40 @@ def guard_facts(target: nn.Module, result: SwitchResult, tokens: Sequence[int], 
     spent = time.perf_counter() - t0
     decision = FactGateDecision(probe, threshold, action, spent * 1e3)
     return SwitchResult(cache, pending, result.translate_s + spent, target), decision
+
+
+class SwitchJudge:
+    """The quality gate and the fact probe as one judge of a switch
+    (switching.pipeline.Judge): the fact probe first (above ``fact_gate`` nats the
+    target re-prefills), then the gate (its tail read natively: ``native_tail``)."""
+
+    def __init__(self, target: nn.Module, tokenizer, translator,
+                 gate: Optional[QualityGate] = None, fact_gate: Optional[float] = None):
+        self.target, self.translator, self.gate, self.fact_gate = target, translator, gate, \
+            fact_gate
+        self.bos = getattr(tokenizer, "bos_token_id", None)
+        tail = translator.spec.native_tail
+        self.native_tail = max(gate.tokens, tail) if gate is not None else None
+
+    def __call__(self, result: SwitchResult):
+        found = {}
+        tokens, lo = result.context, self.translator.spec.native_prefix
+        if self.fact_gate is not None:
+            if result.text is None:
+                raise KvlingoError("The fact probe needs the context's text.")
+            text, offsets = result.text
+            result, decision = guard_facts(self.target, result, tokens, text, offsets,
+                                           self.fact_gate, lo=lo)
+            probe = decision.probe
+            found["fact_gate"] = {"action": decision.action, "threshold": self.fact_gate,
+                                  "probe_nll": probe and probe.nll,
+                                  "words": probe and probe.words}
+            if decision.action == "re-prefilled":
+                return result, found
+        if self.gate is not None:
+            specials = tokens[:1] if self.bos is not None and tokens[0] == self.bos else []
+            result, decision = judge_switch(self.target, result, tokens, self.gate, specials,
+                                            [self.translator])
+            if decision is not None:
+                found["gate"] = decision.to_dict()
+        return result, found

@@ -91,7 +91,7 @@ def run_switch(src, src_tok, tgt, tgt_tok, translator, context, max_tokens: int,
                                recompute_max=recompute_max)
         return switch(src, tgt, translator, source_tokens + [text[2]], source_cache,
                       native_tail=tail, recompute=recompute, text=text[0],
-                      recompute_max=recompute_max)
+                      recompute_max=recompute_max, tokenizer=src_tok)
 
     sampling = {} if sampler is None else {"sampler": sampler}
     switch_times, translate_times, prefill_times, found = [], [], [], None
