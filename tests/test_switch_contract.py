@@ -9,6 +9,7 @@ from tiny import identity_translator, tiny_model
 
 from mlx_kvlingo import generate_after_switch
 from mlx_kvlingo.errors import KvlingoError
+from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.models.features import attention_weights
 from mlx_kvlingo.switching.api import switch, switch_text, translate_context
 from mlx_kvlingo.switching.query import question_scores, question_spans
@@ -137,3 +138,32 @@ def test_the_question_finds_a_fact_the_translation_hid(toy_pair):
         return (mx.exp(native) * (native - lp)).sum().item()
 
     assert kl(0.3) < kl(0.0)
+
+
+def test_a_converted_prompt_cache_continued_by_mlx_lm_is_the_switch(toy_pair):
+    """convert-cache's conversion of a source prompt cache, continued by mlx-lm
+    with the next token, generates what a switch of the whole context does with the
+    same file's defaults (native tail, recompute of the fact-like words)."""
+    from mlx_kvlingo.switching.prompt_cache import convert_prompt_cache
+
+    src, stok, _, _ = toy_pair
+    t = _lossy(src, stok)
+    t.spec.recompute_select, t.spec.recompute_max = "lexical", 6
+    ids = stok.encode(TEXT)
+    cached = ids[:-1]
+    source_cache = prefill(src, mx.array([cached]))
+    converted = convert_prompt_cache(src, src, t, source_cache, cached, tokenizer=stok)
+    assert converted[0].offset == len(cached)
+    got = _tokens(stream_generate(src, stok, mx.array(ids[-1:]), prompt_cache=converted,
+                                  max_tokens=10))
+    result = switch(src, src, t, ids, tokenizer=stok)
+    assert result.deferred and result.prompt.size == 4
+    want = _tokens(generate_after_switch(src, stok, result, max_tokens=10))
+    assert got == want
+    # Not what the bare translation gives: the defaults were applied.
+    bare = identity_translator(src, stok, scale=0.5)
+    plain = convert_prompt_cache(src, src, bare, prefill(src, mx.array([cached])), cached)
+    again = convert_prompt_cache(src, src, t, prefill(src, mx.array([cached])), cached,
+                                 tokenizer=stok)
+    last = mx.array([ids[-1:]])
+    assert mx.abs(src(last, cache=plain) - src(last, cache=again)).max().item() > 1e-3

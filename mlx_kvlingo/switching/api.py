@@ -109,19 +109,26 @@ def translate_cache(
     target: nn.Module,
     translator: Translator,
     source_cache: List,
-    tokens,
+    tokens=None,
     length: Optional[int] = None,
     native_tail: Optional[int] = None,
     recompute: Optional[float] = None,
     recompute_max: Optional[int] = None,
     select: Optional[str] = None,
     tokenizer=None,
+    alignment: Optional[Alignment] = None,
+    text: Optional[Tuple[str, Sequence[Tuple[int, int]]]] = None,
 ) -> List:
     """A complete target prompt cache for ``tokens[:length]`` from a source cache
     that holds at least those (``length`` defaults to ``len(tokens) - 1``, leaving
     the last token for the target's first step, as mlx-lm's ``generate`` expects):
     the switch :func:`switch` makes, with the same defaults (native tail and
-    recompute), its prompt read but for the tokens from ``length`` on."""
+    recompute), its prompt read but for the tokens from ``length`` on.
+    ``alignment``: the target's tokens aligned to the source's (another
+    tokenizer; ``tokens`` are then its target tokens). ``text``: (text, each
+    token's characters), or ``tokenizer`` to decode them: the fact-like words."""
+    if alignment is not None:
+        tokens = alignment.target_tokens
     tokens = as_batch(tokens)
     length = tokens.shape[1] - 1 if length is None else length
     if not 1 <= length <= tokens.shape[1]:
@@ -129,12 +136,18 @@ def translate_cache(
     if length < 2:  # nothing to translate: the target reads it itself
         return prefill(target, tokens[:, :length])
     # The switch of tokens[:length + 1] leaves its last m + 1 positions to the target;
-    # this cache ends one token earlier, so its last m are the target's own (the last
-    # one at least).
+    # this cache ends one token earlier, so its last m are the target's own.
     m = resolve_native_tail(translator, native_tail)
-    result = switch(source, target, translator, tokens[:, :length], source_cache,
-                    max(m - 1, 0), recompute, recompute_max=recompute_max, select=select,
-                    tokenizer=tokenizer)
+    ids = tokens[0, :length].tolist()
+    select = resolve_select([translator.spec], select)
+    budget = RecomputeBudget.of(translator, recompute, recompute_max)
+    if text is None and tokenizer is not None:
+        text = token_offsets(tokenizer, ids)
+    t0 = time.perf_counter()
+    if alignment is None:
+        alignment = identity_alignment(ids, translator.spec.native_prefix)
+    result = _switch(source, target, translator, source_cache, alignment, tokens[:, :length],
+                     m - 1, t0, budget, select, text)
     return result.read_all()
 
 
@@ -238,8 +251,13 @@ class SwitchResult:
         complete cache of the context (no logits). Once only."""
         self._take("read")
         self._state = "read"
-        recompute_and_read(self._target(target), self._cache, self.context or [],
-                           self.deferred, self.pending.tolist(), keep=1, history=self.history)
+        if self.pending.size:
+            recompute_and_read(self._target(target), self._cache, self.context or [],
+                               self.deferred, self.pending.tolist(), keep=1,
+                               history=self.history)
+        elif self.deferred:
+            recompute_spans(self._target(target), self._cache, self.context, self.deferred,
+                            self.history)
         self.deferred, self.history = [], {}
         return self._cache
 
@@ -335,7 +353,8 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
 
 def _translated_end(n: int, m: int) -> int:
     """Positions 0..end-1 of an n-token context a switch with native tail m
-    translates: the last m + 1 are read by the target's first step."""
+    translates: the last m + 1 are read by the target's first step (m = -1: a
+    prompt cache of all n, read by nothing yet: translate_cache)."""
     return max(n - 1 - m, 0)
 
 

@@ -40,7 +40,8 @@ from ..models.cache import cache_length, prefill, read_layer
 from ..models.geometry import cache_dtype, cache_geometry, model_name
 from ..translator.align import NATIVE, Alignment, align_offsets, tokenize_with_offsets
 from ..translator.maps import Translator
-from .api import translate_aligned, translate_span
+from .api import translate_cache, translate_span
+from .choice import RecomputeBudget
 
 METADATA_KEY = "mlx_kvlingo"
 _CHECK_TOKENS = 8  # leading positions re-computed to check that the prompt matches
@@ -54,7 +55,7 @@ class PromptCacheError(KvlingoError):
 class ConversionReport:
     tokens: int  # cached positions
     translated: int
-    native: int  # computed by the target itself (native prefix)
+    native: int  # computed by the target itself (native prefix and tail; recomputed: apart)
     seconds: float
     source_model: str  # what the input file's metadata named
     target_model: str
@@ -106,7 +107,7 @@ def cache_prompt_alignment(source_tokenizer, target_tokenizer, prompt: str):
     t_ids, t_off = render(target_tokenizer)
     index = align_offsets(s_off, t_off, native_prefix=0)
     index = [NATIVE if b <= a else i for i, (a, b) in zip(index, t_off)]
-    return Alignment(s_ids, t_ids, index)
+    return Alignment(s_ids, t_ids, index, t_off)
 
 
 def read_prompt_cache(path):
@@ -218,15 +219,19 @@ def convert_prompt_cache(
     tokens: Optional[Sequence[int]] = None,
     dtype: Optional[mx.Dtype] = None,
     alignment=None,
+    prompt: Optional[str] = None,
+    tokenizer=None,
 ) -> List:
     """A target prompt cache holding every position of the source prompt cache
-    ``cache``: the first ``translator.spec.native_prefix`` computed by the target
-    from ``tokens`` (the cached token ids; needed only for those, and for layer 0
-    when the translator computes it natively), the rest translated. ``dtype``: cast the result (default: the target's dtype).
+    ``cache``: the switch a :func:`~.api.switch` makes, with the translator's
+    defaults (its native prefix and tail computed by the target from ``tokens``,
+    the cached token ids; its recompute), read to the end (api.translate_cache).
+    ``dtype``: cast the result (default: the target's dtype).
 
     ``alignment``: for a cross-tokenizer translator, source -> target tokens of
     the cached text (:func:`cache_prompt_alignment`); the result holds the target's
-    own tokenization of it."""
+    own tokenization of it. ``prompt``: the cached text, where the fact-like words
+    are found (with ``tokenizer``, the target's, for a shared tokenizer)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     n = cache_length(cache)
@@ -241,35 +246,41 @@ def convert_prompt_cache(
                 f"The prompt is {len(alignment.source_tokens)} tokens but the cache holds "
                 f"{n}: it is not the prompt that was cached."
             )
-        out = translate_aligned(source, target, translator, cache, make_prompt_cache(target),
-                                alignment, len(alignment.target_tokens))
+        text = (prompt, alignment.target_offsets) if prompt is not None and \
+            alignment.target_offsets is not None else None
+        out = translate_cache(source, target, translator, cache,
+                              length=len(alignment.target_tokens), alignment=alignment,
+                              text=text)
         return _finish(out, dtype)
-    native = min(translator.spec.native_prefix, n)
     if tokens is None:
-        if native:
-            raise KvlingoError(
-                f"The translator computes the first {native} token(s) natively, so their "
-                "ids are needed: give the prompt that was cached."
-            )
-        if getattr(translator.spec, "native_layer0", False):
-            raise KvlingoError(
-                "The translator computes layer 0 natively from the token ids: give the "
-                "prompt that was cached."
-            )
-        if getattr(translator.spec, "token_layers", None):
-            raise KvlingoError(
-                "The translator's maps read the target's token embeddings: give the "
-                "prompt that was cached."
-            )
-        tokens = [0] * n  # ids are not read when nothing is computed natively
+        needs = _needs_ids(translator, n)
+        if needs:
+            raise KvlingoError(f"The translator {needs}: give the prompt that was cached.")
+        out = translate_span(source, target, translator, cache, make_prompt_cache(target),
+                             mx.array([0] * n)[None], n)  # ids are not read
+        return _finish(out, dtype)
     if len(tokens) != n:
         raise PromptCacheError(
             f"The prompt is {len(tokens)} tokens but the cache holds {n}: it is not the "
             "prompt that was cached (or it was cached with another tokenizer or template)."
         )
-    out = translate_span(source, target, translator, cache, make_prompt_cache(target),
-                         mx.array(list(tokens))[None], n)
+    out = translate_cache(source, target, translator, cache, list(tokens), length=n,
+                          tokenizer=tokenizer)
     return _finish(out, dtype)
+
+
+def _needs_ids(translator: Translator, n: int) -> str:
+    """Why converting an n-position cache needs its token ids ('' when it does not)."""
+    spec = translator.spec
+    if min(spec.native_prefix, n):
+        return f"computes the first {min(spec.native_prefix, n)} token(s) natively"
+    if getattr(spec, "native_layer0", False):
+        return "computes layer 0 natively from the token ids"
+    if getattr(spec, "token_layers", None):
+        return "maps read the target's token embeddings"
+    if spec.native_tail or RecomputeBudget.of(translator).positions(n):
+        return "computes its native tail and recomputes positions itself"
+    return ""
 
 
 def _finish(out: List, dtype) -> List:
@@ -328,21 +339,24 @@ def convert_prompt_cache_file(
                 "template)."
             )
         _check_prompt(source, cache, tokens)
-    out = convert_prompt_cache(source, target, translator, cache, tokens, dtype, alignment)
+    out = convert_prompt_cache(source, target, translator, cache, tokens, dtype, alignment,
+                               prompt, tokenizer)
     meta = {k: v for k, v in metadata.items() if k != METADATA_KEY}
     source_model = meta.get("model", "")
     meta["model"] = str(target_name)
     meta.setdefault("tokenizer_config", "{}")  # mlx_lm.generate reads it
+    tail = translator.spec.native_tail
     if alignment is not None:
         index = alignment.with_native_prefix(translator.spec.native_prefix).source_index
-        native = sum(1 for i in index if i < 0)
         n = len(index)
+        native = sum(1 for i in index[:max(n - tail, 0)] if i < 0) + min(tail, n)
     else:
-        native = min(translator.spec.native_prefix, n)
+        native = min(translator.spec.native_prefix + tail, n)
     meta[METADATA_KEY] = json.dumps({
         "converted_from": source_model,
         "translator": f"{translator.spec.source.name} -> {translator.spec.target.name}",
-        "native_prefix": native,
+        "native": native,
+        "native_tail": tail,
         "tokens": n,
     })
     out_path.parent.mkdir(parents=True, exist_ok=True)
