@@ -40,10 +40,26 @@ def prefix_and_tail(translator):
 
 
 def answer_positions(item: dict, offsets) -> list:
-    """Target positions of the answer's value where the item states it."""
-    start = item["context"].index(item["answer"].strip())
-    stop = start + len(item["answer"].strip())
+    """Target positions of the answer's value where the item states it: where it
+    stands as a whole word in a fact sentence, else its first place in the context.
+    A yes/no answer is said nowhere: its fact sentence instead."""
+    answer = item["answer"].strip()
+    if item["kind"] == "yesno":
+        start, stop = item["fact"]
+    else:
+        pattern = re.compile(rf"(?<![A-Za-z0-9_]){re.escape(answer)}(?![A-Za-z0-9_])")
+        found = [m.start() for a, b in [item["fact"]] + list(item.get("more", []))
+                 for m in pattern.finditer(item["context"], a, b)]
+        start = found[0] if found else item["context"].index(answer)
+        stop = start + len(answer)
     return [i for i, (a, b) in enumerate(offsets) if b > start and a < stop]
+
+
+def covered_by(item: dict, positions: list, chosen: set) -> bool:
+    """Whether the recompute took the answer (for yes/no: any word of its fact)."""
+    if item["kind"] == "yesno":
+        return any(p in chosen for p in positions)
+    return all(p in chosen for p in positions)
 
 
 # A setting's name: "switch + recompute 10%", with its cap: "... (at most 128)".
@@ -76,7 +92,7 @@ def coverage(run: dict, tokenizer) -> str:
             spans = salient_spans(prompt, offsets, budget.positions(len(ids)), lo,
                                   len(ids) - 1 - tail)
             chosen = {p for a, b in spans for p in range(a, b)}
-            covered = all(p in chosen for p in answer_positions(item, offsets))
+            covered = covered_by(item, answer_positions(item, offsets), chosen)
             row = table.setdefault((item["kind"], covered), [0, 0, 0])
             row[0] += 1
             row[1] += run["scores"]["native"][i]["exact"]
