@@ -12,10 +12,14 @@ about it ("the key was hidden under the") attends to it.
 
 The reading is a probe: nothing is written to the cache. Its cost is one more pass
 of the target over the short question. The score of a context position is, summed
-over the target's layers, the largest attention any head gives it (averaged over
-the question's tokens): a head that retrieves a fact puts its mass there even when
-most heads look at the recent tokens. The attention sink (positions below ``lo``)
-and the question itself are not scored.
+over the target's layers, the largest attention any head of the question's *last*
+token gives it: that token predicts the answer's first word, and a head that
+retrieves a fact puts its mass on the fact even when most heads look at the
+recent tokens. (On held-out plain-word facts, 48 items each way between SmolLM2
+and Gemma 3, the last token's choice held the answer in 35-37 of 40 items at half
+the default budget; the same score averaged over all the question's tokens, 9-14.)
+The attention sink (positions below ``lo``) and the question itself are not
+scored.
 """
 
 import sys
@@ -29,9 +33,10 @@ from .. import cpu_math
 from ..errors import KvlingoError
 from .recompute import Span, _by_position, _PassView, _roped_at, merge_spans
 
-# Neighbours recomputed with a position the question reads: the words that lead up
-# to it (what the question repeats: "hidden under the") and the one after it.
-BEFORE = 4
+# Neighbours recomputed with a position the question reads: the tokens that lead up
+# to it and follow it (the last token attends to the answer's first token; the
+# answer may run on for a word or two).
+BEFORE = 2
 AFTER = 2
 
 
@@ -72,38 +77,39 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
     module.scaled_dot_product_attention = attention
     try:
         with _roped_at(target, positions, top), cpu_math.numpy_passes():
-            mx.eval(target.model(mx.array([list(tokens[start:])]), cache=views))
+            hidden = target.model(mx.array([list(tokens[start:])]), cache=views)
+            mx.eval(hidden, totals)
     finally:
         module.scaled_dot_product_attention = attention.original
-    return np.sum(totals, axis=0) if totals else np.zeros((start - lo,), np.float32)
+    if not totals:
+        return np.zeros((start - lo,), np.float32)
+    total = sum(totals[1:], totals[0])
+    mx.eval(total)
+    return np.array(total)
 
 
 class _ScoringAttention:
     """Stands in for mlx-lm's ``scaled_dot_product_attention`` during a probe: the
-    layer's attention computed once (scores in MLX, softmax in numpy), its output
-    returned and its score of positions lo..hi-1 kept: the largest over heads of the
-    attention the question's tokens give them, averaged over those tokens."""
+    layer's own attention runs as usual, and the question's last token's attention
+    over positions lo..hi-1 is computed beside it (one query row), its largest
+    over heads kept."""
 
     def __init__(self, lo: int, hi: int, totals: list):
         self.lo, self.hi, self.totals, self.original = lo, hi, totals, None
 
     def __call__(self, queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
-        if sinks is not None or not (mask is None or isinstance(mask, mx.array)):
-            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+        extra = {} if sinks is None else {"sinks": sinks}
+        out = self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, **extra)
         B, H, L, D = queries.shape
         Hk = keys.shape[1]
-        q = (queries.astype(mx.float32) * scale).reshape(B, Hk, H // Hk, L, D)
-        s = np.array(q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2))
-        if mask is not None:
-            m = np.array(mask)
-            s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
-        s -= s.max(axis=-1, keepdims=True)
-        p = np.exp(s, out=s)
-        p /= p.sum(axis=-1, keepdims=True)
-        self.totals.append(p[..., self.lo:self.hi].mean(axis=3).reshape(-1, self.hi - self.lo)
-                           .max(axis=0))
-        out = mx.array(p).astype(values.dtype) @ values[:, :, None]  # [B, Hk, rep, L, Dv]
-        return out.reshape(B, H, L, values.shape[-1])
+        q = (queries[:, :, -1:].astype(mx.float32) * scale).reshape(B, Hk, H // Hk, 1, D)
+        s = q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # [B, Hk, rep, 1, S]
+        if isinstance(mask, mx.array):
+            row = mask[..., -1:, :]
+            s = mx.where(row, s, -mx.inf) if row.dtype == mx.bool_ else s + row
+        p = mx.softmax(s, axis=-1, precise=True)[..., self.lo:self.hi]
+        self.totals.append(p.reshape(B * H, self.hi - self.lo).max(axis=0))
+        return out
 
 
 def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
