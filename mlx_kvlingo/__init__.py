@@ -28,7 +28,7 @@ from .errors import KvlingoError, TranslatorMismatch  # noqa: E402
 from .models.cache import prefill  # noqa: E402
 from .models.geometry import cache_geometry  # noqa: E402
 from .models.load import load  # noqa: E402
-from .pairs.shipped import shipped_translator  # noqa: E402
+from .pairs.shipped import load_shipped, shipped_translator  # noqa: E402
 from .serve.conversations import ConversationStore  # noqa: E402
 from .switching.api import SwitchResult, switch, switch_text, translate_context  # noqa: E402
 from .switching.generate import generate_after_switch  # noqa: E402
@@ -47,6 +47,7 @@ __all__ = [
     "cache_geometry",
     "generate_after_switch",
     "load",
+    "load_shipped",
     "load_translator",
     "prefill",
     "shipped_translator",

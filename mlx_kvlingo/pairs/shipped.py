@@ -33,7 +33,9 @@ GATE_CALIBRATED = {("smollm2", "gemma3"), ("gemma3", "smollm2")}
 
 
 def shipped_translator(source: str, target: str) -> Optional[Path]:
-    """The shipped translator file for a pair named by its short model names, if any."""
+    """The shipped translator file for a pair named by its short model names, if any.
+    To use it, load it with :func:`load_shipped`, which also carries the quality
+    gate's threshold calibrated for it."""
     name = SHIPPED.get((str(source), str(target)))
     path = ASSETS / name if name else None
     return path if path is not None and path.is_file() else None
