@@ -18,11 +18,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import prefill, trim_cache_to
-from ..models.geometry import cache_geometry
 from ..switching.api import translate_aligned, translate_span
-from ..switching.choice import RecomputeBudget, RecomputePlan, resolve_select
+from ..switching.choice import RecomputeBudget, RecomputePlan, recompute_live, resolve_select
 from ..switching.kernel import History
-from ..switching.recompute import recompute_and_read, recompute_spans, token_offsets
+from ..switching.recompute import token_offsets
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
 from .turns import TurnReport
@@ -262,37 +261,12 @@ class FactRecompute:
             return 0
         t0 = time.perf_counter()
         entry, view = session.entry(name), session.transcript_of(name)
-        layers = self.history.layers if self.history is not None else None
-        end = min(c.offset for c in entry.cache)
-        spans = self.plan.lexical
-        if question:
-            spans = self.plan.choose(
-                entry.model, entry.cache, list(view.tokens[:end]) + list(question), end,
-                layers, floor=_whole_context_from(entry.model, entry.cache, layers or {}))
-        inputs = list(question[:-1]) if read else []
-        if spans and inputs:
-            recompute_and_read(entry.model, entry.cache, view.tokens, spans, inputs,
-                               history=layers)
-        elif spans:
-            recompute_spans(entry.model, entry.cache, view.tokens, spans, layers)
+        spans, read_now = recompute_live(entry.model, entry.cache, view.tokens, self.plan,
+                                         self.history, question, read)
         self.history = None
         report.recomputed += sum(b - a for a, b in spans)
         report.translate_s += self.choose_s + time.perf_counter() - t0
-        return len(inputs) if spans else 0
-
-
-def _whole_context_from(model, cache, history: dict) -> int:
-    """The first position whose recompute reads every row before it that its
-    sliding-window layers attend to: a catch-up's prefill of a run longer than a
-    window drops rows before they can be kept (kernel.History.record)."""
-    floor = 0
-    for i, (c, lg) in enumerate(zip(cache, cache_geometry(model).layers)):
-        if not lg.window:
-            continue
-        held = history[i][0] if i in history else c.offset - min(c.offset, c.keys.shape[2])
-        if held > 0:
-            floor = max(floor, held + lg.window - 1)
-    return floor
+        return read_now
 
 
 def _recompute_budget(session, translators) -> RecomputeBudget:

@@ -15,9 +15,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import KvlingoError
+from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, salient_spans
+from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
@@ -151,3 +152,41 @@ class RecomputePlan:
         scores = question_scores(target, cache, tokens, question_start, self.lo, history)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
                               keep=self.lexical)
+
+
+def recompute_live(target, cache: List, tokens: Sequence[int], plan: RecomputePlan,
+                   history: Optional[History] = None, question: Sequence[int] = (),
+                   read: bool = False) -> Tuple[List[Span], int]:
+    """Recompute what ``plan`` chooses in a live cache that now holds its translated
+    positions (a conversation's catch-up; ``tokens``: the cache's tokens), choosing
+    with ``question``, the tokens read next. ``read``: the pass also reads the
+    question but for its last token. Returns (the spans recomputed, how many
+    question tokens the cache holds now)."""
+    if not plan.count:
+        return [], 0
+    layers = history.layers if history is not None else None
+    end = min(c.offset for c in cache)
+    spans = plan.lexical
+    if question:
+        spans = plan.choose(target, cache, list(tokens[:end]) + list(question), end, layers,
+                            floor=whole_context_from(target, cache, layers or {}))
+    inputs = list(question[:-1]) if read else []
+    if spans and inputs:
+        recompute_and_read(target, cache, tokens, spans, inputs, history=layers)
+    elif spans:
+        recompute_spans(target, cache, tokens, spans, layers)
+    return spans, len(inputs) if spans else 0
+
+
+def whole_context_from(model, cache: List, history: dict) -> int:
+    """The first position whose recompute reads every row before it that its
+    sliding-window layers attend to: a live cache's prefill of a run longer than a
+    window drops rows before they can be kept (kernel.History.record)."""
+    floor = 0
+    for i, (c, lg) in enumerate(zip(cache, cache_geometry(model).layers)):
+        if not lg.window:
+            continue
+        held = history[i][0] if i in history else c.offset - min(c.offset, c.keys.shape[2])
+        if held > 0:
+            floor = max(floor, held + lg.window - 1)
+    return floor
