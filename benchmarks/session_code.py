@@ -1,0 +1,151 @@
+"""A coding chat escalates to the large model: a user pastes held-out Python code
+in which one detail is stated once (a plain word in a comment, a helper's name, a
+constant's value), the small model answers, then the user asks the large model
+about the detail. Scored for the large model after a switch (a `Session`
+catch-up: the paste and the small model's answer translated, the question read
+natively), the large model after a re-prefill of the same messages, and the small
+model answering itself; with the question turn's time to first token.
+
+    python benchmarks/session_code.py --tokens 1000 --items 24 --json OUT.json
+
+Defaults: Qwen2.5-Coder 0.5B -> 1.5B Instruct (`fetch-models qwen`) with the
+shipped translators and their defaults. A rerun with the same --json skips the
+items its checkpoint (OUT.items.jsonl) holds.
+"""
+import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from mlx_kvlingo import Session
+from mlx_kvlingo.data.recall import PLAIN_KINDS, heldout_code_filler, recall_items
+from mlx_kvlingo.measure.bootstrap import mean_interval, paired_mean_difference
+from mlx_kvlingo.measure.recall import matches
+from mlx_kvlingo.models.load import load
+from mlx_kvlingo.pairs.shipped import load_shipped
+
+PASTE = ("Here is a Python module I am working on:\n\n```python\n{code}\n```\n\n"
+         "Summarise what it does in one sentence.")
+QUESTION = ("In the module I pasted, how does this line end? Reply with the missing word "
+            "or value only.\n\n{cue}")
+SETTINGS = ("large after switch", "large after re-prefill", "small itself")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", default="qwen2.5-coder-0.5b")
+    p.add_argument("--large", default="qwen2.5-coder-1.5b")
+    p.add_argument("--tokens", type=int, default=1000, help="pasted code, in tokens")
+    p.add_argument("--items", type=int, default=24)
+    p.add_argument("--kinds", default="code,identifier,number")
+    p.add_argument("--small-answer", type=int, default=32, help="tokens of the small answer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    small, tok = load(args.small)
+    large, large_tok = load(args.large)
+    translators = {("small", "large"): load_shipped(args.small, args.large),
+                   ("large", "small"): load_shipped(args.large, args.small)}
+    models = {"small": (small, tok), "large": (large, large_tok)}
+    switching, native = Session(models, translators), Session(models, {})
+    items = recall_items(heldout_code_filler(), args.items, args.tokens,
+                         lambda text: len(tok.encode(text)), kinds=args.kinds.split(","),
+                         seed=args.seed, code_filler=heldout_code_filler())
+    checkpoint = args.json.with_suffix(".items.jsonl") if args.json else None
+    done = _load(checkpoint)
+    rows = []
+    for i, item in enumerate(items):
+        key = f"{args.seed}:{i}:{item.kind}:{item.answer}"
+        if key in done:
+            rows.append(done[key])
+            continue
+        row = run_item(switching.fresh(), native.fresh(), item, args.small_answer)
+        row["key"] = key
+        rows.append(row)
+        if checkpoint is not None:
+            with open(checkpoint, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        print(f"  item {i + 1}/{len(items)} ({item.kind}, {row['context_tokens']} tokens): "
+              + ", ".join(f"{s} {'+' if row[s]['right'] else '-'} "
+                          f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in SETTINGS), flush=True)
+    report = summarise(rows)
+    print(report["table"])
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows, "summary": report}, indent=2))
+        print(f"Wrote {args.json}")
+
+
+def run_item(switching: Session, native: Session, item, small_tokens: int) -> dict:
+    """One chat three ways (see the module's docstring)."""
+    paste = PASTE.format(code=item.context)
+    question = QUESTION.format(cue=item.cue.strip())
+    said = switching.generate("small", paste, max_tokens=small_tokens).text
+    own = switching.branch(len(switching.messages))
+    after_switch = switching.generate("large", question, max_tokens=8)
+    itself = own.generate("small", question, max_tokens=8)
+    reprefilled = native.generate("large", [{"role": "user", "content": paste},
+                                            {"role": "assistant", "content": said},
+                                            {"role": "user", "content": question}], max_tokens=8)
+    out = {"kind": item.kind, "answer": item.answer,
+           "context_tokens": after_switch.context_tokens,
+           "translated": after_switch.translated, "recomputed": after_switch.recomputed}
+    for name, r in zip(SETTINGS, (after_switch, reprefilled, itself)):
+        out[name] = {"said": r.text, "right": answered(r.text, item),
+                     "ttft_s": r.ttft_s}
+    return out
+
+
+def answered(said: str, item) -> bool:
+    """A chat answer is right when it starts with the detail, after any quote or code
+    mark (a plain word in any case; a name or number as written)."""
+    return matches(said.strip().lstrip("`\"'*"), item.answer, item.kind in PLAIN_KINDS)
+
+
+def summarise(rows) -> dict:
+    """Accuracy with a 95 % bootstrap interval per setting, by kind, and the question
+    turn's median time to first token."""
+    lines = ["| setting | right [95% CI] | " + " | ".join(sorted({r['kind'] for r in rows}))
+             + " | TTFT (median) |", "|---|---|" + "---|" * len({r['kind'] for r in rows})
+             + "---|"]
+    out = {}
+    kinds = sorted({r["kind"] for r in rows})
+    for s in SETTINGS:
+        right = [float(r[s]["right"]) for r in rows]
+        ci = mean_interval(right)
+        lo, hi = ci.low, ci.high
+        ttft = statistics.median(r[s]["ttft_s"] for r in rows)
+        by_kind = [sum(r[s]["right"] for r in rows if r["kind"] == k) for k in kinds]
+        n_kind = [sum(r["kind"] == k for r in rows) for k in kinds]
+        out[s] = {"right": sum(right) / len(right), "ci": [lo, hi], "ttft_s": ttft}
+        lines.append(f"| {s} | {sum(right) / len(right):.2f} [{lo:.2f}, {hi:.2f}] | "
+                     + " | ".join(f"{a}/{b}" for a, b in zip(by_kind, n_kind))
+                     + f" | {ttft * 1e3:.0f} ms |")
+    diff = paired_mean_difference([float(r[SETTINGS[1]]["right"]) for r in rows],
+                                  [float(r[SETTINGS[0]]["right"]) for r in rows])
+    out["switch - re-prefill"] = [diff.value, diff.low, diff.high]
+    lines.append(f"\nswitch - re-prefill, paired: {diff.value:+.2f} [{diff.low:+.2f}, "
+                 f"{diff.high:+.2f}]")
+    base = out[SETTINGS[1]]
+    out["switch / re-prefill"] = {
+        "right": out[SETTINGS[0]]["right"] / base["right"] if base["right"] else None,
+        "ttft": base["ttft_s"] / out[SETTINGS[0]]["ttft_s"]}
+    lines.append(f"\nswitch / re-prefill: right {out['switch / re-prefill']['right']}, "
+                 f"first token {out['switch / re-prefill']['ttft']:.1f}x sooner; median "
+                 f"context {statistics.median(r['context_tokens'] for r in rows)} tokens")
+    out["table"] = "\n".join(lines)
+    return out
+
+
+def _load(path):
+    if path is None or not Path(path).is_file():
+        return {}
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return {r["key"]: r for r in rows}
+
+
+if __name__ == "__main__":
+    main()
