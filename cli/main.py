@@ -656,12 +656,16 @@ def defaults(
         None, help="Last context tokens the target computes itself at a switch."),
     recompute: Optional[float] = typer.Option(
         None, help="Share of the context (0.1 = 10%) the target recomputes itself at a "
-        "switch, on its fact-like words (0: none)."),
+        "switch (0: none)."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions that share may come to (0: no limit)."),
     recompute_reserve: Optional[int] = typer.Option(
         None, help="Positions the share leaves out (the switch's fixed cost): it recomputes "
         "the share of the context less these."),
+    select: Optional[str] = typer.Option(
+        None, help="How the recomputed positions are chosen: 'question' (those the next "
+        "question attends to, with the fact-like words) or 'lexical' (the fact-like "
+        "words only)."),
     out: Optional[Path] = typer.Option(
         None, help="Write the file with the new defaults here (default: in place)."),
 ):
@@ -669,7 +673,7 @@ def defaults(
     for byte): what a switch, a chat or a server does when not told otherwise."""
     from dataclasses import replace
 
-    from mlx_kvlingo.switching.api import RecomputeBudget
+    from mlx_kvlingo.switching.choice import SELECTIONS, RecomputeBudget
     from mlx_kvlingo.translator.maps import load_translator, rewrite_spec
 
     def go():
@@ -677,8 +681,12 @@ def defaults(
         spec = loaded.spec
         changes = {k: v for k, v in [("native_tail", native_tail), ("recompute", recompute),
                                      ("recompute_max", recompute_max),
-                                     ("recompute_reserve", recompute_reserve)] if v is not None}
+                                     ("recompute_reserve", recompute_reserve),
+                                     ("recompute_select", select)] if v is not None}
         if changes:
+            if select is not None and select not in SELECTIONS:
+                raise KvlingoError(f"--select is one of {', '.join(SELECTIONS)}, not "
+                                   f"{select!r}.")
             if native_tail is not None and native_tail < 0:
                 raise KvlingoError(f"--native-tail is a count >= 0, not {native_tail}.")
             if recompute_reserve is not None and recompute_reserve < 0:
@@ -695,7 +703,9 @@ def defaults(
         cap = f", at most {spec.recompute_max} positions" if spec.recompute_max else ""
         less = (f" less {spec.recompute_reserve} positions" if spec.recompute
                 and spec.recompute_reserve else "")
-        typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}")
+        way = f", chosen by {spec.recompute_select}" if spec.recompute else ""
+        typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}"
+                   f"{way}")
 
     _run(go)
 

@@ -342,13 +342,33 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
     n, lo = len(ids), max(translator.spec.native_prefix, 1)
     end = _translated_end(n, m)
     plan = RecomputePlan.make(budget, n, lo, end, select, text, question=end > lo + 1)
+    history = plan.history()
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
-                            early=early, history=plan.history())
+                            early=early, history=history)
     result.target = target
     start = min(end, max(n - MIN_QUESTION, lo + 1))
-    spans = plan.choose(target, result._cache, ids, start, result.history)
+    rows = []
+    spans = plan.choose(target, result._cache, ids, start, result.history, rows=rows)
+    if rows and rows[0][0].shape[2]:
+        _keep_first_reading(target, result, rows, history, end)
     result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
     return _defer(result, spans, ids, text)
+
+
+def _keep_first_reading(target, result: SwitchResult, rows, history: Optional[History],
+                        end: int):
+    """The question's reading by the probe is kept for all its pending tokens but
+    the last: their rows are appended to the cache, and only the last token is read
+    after the recompute (it alone predicts the answer; the tail before it keeps what
+    it read of the translated context, as a switch without a recompute does). The
+    rows a sliding-window layer then drops are kept for the recompute first."""
+    if history is not None:
+        history.record(target, result._cache, 0, end)
+        result.history = history.layers
+    for c, (k, v) in zip(result._cache, rows):
+        c.update_and_fetch(k.astype(c.keys.dtype), v.astype(c.values.dtype))
+    mx.eval([(c.keys, c.values) for c in result._cache])
+    result.pending = result.pending[-1:]
 
 
 def _translated_end(n: int, m: int) -> int:

@@ -138,18 +138,22 @@ class RecomputePlan:
         return History(since=self.lexical[0][0]) if self.lexical else None
 
     def choose(self, target, cache: List, tokens: Sequence[int], question_start: int,
-               history: Optional[dict] = None, floor: int = 0) -> List[Span]:
+               history: Optional[dict] = None, floor: int = 0,
+               rows: Optional[list] = None) -> List[Span]:
         """The spans to recompute, once ``cache`` holds the translation:
         ``tokens[question_start:]`` is the question (positions the cache holds are
         read again, the others after them; nothing is written). ``floor``: the
-        first position the question's choice may take."""
+        first position the question's choice may take. ``rows``: filled with the
+        question's rows after the cache but its last token's (query.question_scores),
+        when the question was read."""
         if not self.by_question or not self.count:
             return self.lexical
         lo = max(self.lo, floor)
         hi = min(self.hi, question_start)
         if hi - lo < 1:
             return self.lexical
-        scores = question_scores(target, cache, tokens, question_start, self.lo, history)
+        scores = question_scores(target, cache, tokens, question_start, self.lo, history,
+                                 rows)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
                               keep=self.lexical)
 
