@@ -85,11 +85,11 @@ def run_item(switching: Session, native: Session, item, small_tokens: int) -> di
     question = QUESTION.format(cue=item.cue.strip())
     said = switching.generate("small", paste, max_tokens=small_tokens).text
     own = switching.branch(len(switching.messages))
-    after_switch = switching.generate("large", question, max_tokens=8)
-    itself = own.generate("small", question, max_tokens=8)
+    after_switch = switching.generate("large", question, max_tokens=20)
+    itself = own.generate("small", question, max_tokens=20)
     reprefilled = native.generate("large", [{"role": "user", "content": paste},
                                             {"role": "assistant", "content": said},
-                                            {"role": "user", "content": question}], max_tokens=8)
+                                            {"role": "user", "content": question}], max_tokens=20)
     out = {"kind": item.kind, "answer": item.answer,
            "context_tokens": after_switch.context_tokens,
            "translated": after_switch.translated, "recomputed": after_switch.recomputed}
@@ -101,8 +101,13 @@ def run_item(switching: Session, native: Session, item, small_tokens: int) -> di
 
 def answered(said: str, item) -> bool:
     """A chat answer is right when it starts with the detail, after any quote or code
-    mark (a plain word in any case; a name or number as written)."""
-    return matches(said.strip().lstrip("`\"'*"), item.answer, item.kind in PLAIN_KINDS)
+    mark (a plain word in any case; a name or number as written), or repeats the
+    line and goes on with it."""
+    said = said.strip().lstrip("`\"'*# ")
+    cue = item.cue.strip().lstrip("#\"' ").rstrip()
+    if said.lower().startswith(cue.lower()):
+        said = said[len(cue):]
+    return matches(said.lstrip("`\"'* "), item.answer, item.kind in PLAIN_KINDS)
 
 
 def summarise(rows) -> dict:
