@@ -445,7 +445,7 @@ def eval_cmd(
     items: int = typer.Option(48, help="--task recall: items (facts asked for)."),
     recompute: str = typer.Option(
         "", help="--task recall: comma-separated budgets (0.1 = 10% of the context) of "
-        "switches whose fact-like words the target recomputes."),
+        "switches that recompute positions (chosen by the translator's own way)."),
     recompute_max: int = typer.Option(
         0, help="--task recall: the most positions each budget may come to (0: no limit)."),
     kinds: str = typer.Option(
@@ -579,8 +579,8 @@ def switch_cmd(
         "translator's recorded one, else 0)."),
     recompute: Optional[float] = typer.Option(
         None, help="Share of the context (0.1 = 10%) the target recomputes itself after the "
-        "translation, on the words that look like facts (numbers, names, identifiers): "
-        "what a translated cache loses first. Default: the translator's (see "
+        "translation: the positions the prompt's last tokens attend to, and the words that "
+        "look like facts (numbers, names, identifiers). Default: the translator's (see "
         "`mlx-kvlingo defaults`)."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions the recompute may come to (0: no limit; default: "

@@ -167,10 +167,10 @@ def register(app: typer.Typer):
             None, help="Where fitted translators are kept (default $MLX_KVLINGO_CACHE "
             "or ~/.cache/mlx-kvlingo)."),
         recompute: Optional[float] = typer.Option(
-            None, help="Share of the translated positions (0.1 = 10%) the reading model "
-            "recomputes itself, on the words that look like facts (numbers, names, "
-            "identifiers): what a translated cache loses first. Default: the translator's "
-            "(0 for most files; see `mlx-kvlingo defaults`)."),
+            None, help="Share of the conversation (0.1 = 10%) the reading model recomputes "
+            "itself among the positions it translated: those its new message attends to, "
+            "and the words that look like facts. Default: the translator's (see "
+            "`mlx-kvlingo defaults`)."),
         recompute_max: Optional[int] = typer.Option(
             None, help="The most positions one catch-up recomputes (0: no limit; default: "
             "the translator's)."),
