@@ -170,3 +170,21 @@ def test_a_converted_prompt_cache_continued_by_mlx_lm_is_the_switch(toy_pair):
                                  tokenizer=stok)
     last = mx.array([ids[-1:]])
     assert mx.abs(src(last, cache=plain) - src(last, cache=again)).max().item() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_an_exact_switch_with_the_questions_choice_is_a_re_prefill(arch):
+    """With exact maps, a switch whose recompute the question chooses (its tail
+    kept from the probe's reading, only the last token read after the recompute;
+    sliding windows of 8 in gemma3_text, so the recompute reads rows the windows
+    dropped) continues exactly as a native prefill does."""
+    m = tiny_model(arch)
+    t = identity_translator(m)
+    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
+    ids = mx.random.randint(0, 97, (40,), key=mx.random.key(11)).tolist()
+    result = switch(m, m, t, ids)
+    assert result.deferred and result.prompt.size == 1
+    logits = result.read()[0, -1]
+    native = m(mx.array([ids]))[0, -1]
+    assert mx.abs(logits - native).max().item() < 1e-3
+    assert all(c.offset == len(ids) for c in result.cache)
