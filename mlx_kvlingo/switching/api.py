@@ -19,7 +19,14 @@ from ..models.cache import copy_cache, prefill
 from ..translator.align import Alignment, align_text, identity_alignment, tokenize_with_offsets
 from ..translator.maps import Translator
 from .kernel import EarlyLayer, History, map_early_layer, translate_into
-from .choice import LEXICAL_SHARE, SELECTIONS, RecomputeBudget, RecomputePlan, resolve_select  # noqa: F401
+from .choice import (  # noqa: F401  (LEXICAL_SHARE, SELECTIONS: re-exported)
+    LEXICAL_SHARE,
+    SELECTIONS,
+    RecomputeBudget,
+    RecomputePlan,
+    append_rows,
+    resolve_select,
+)
 from .query import MIN_QUESTION
 from .recompute import Span, recompute_and_read, recompute_spans, token_offsets
 
@@ -362,12 +369,9 @@ def _keep_first_reading(target, result: SwitchResult, rows, history: Optional[Hi
     after the recompute (it alone predicts the answer; the tail before it keeps what
     it read of the translated context, as a switch without a recompute does). The
     rows a sliding-window layer then drops are kept for the recompute first."""
+    append_rows(target, result._cache, rows, history, end)
     if history is not None:
-        history.record(target, result._cache, 0, end)
         result.history = history.layers
-    for c, (k, v) in zip(result._cache, rows):
-        c.update_and_fetch(k.astype(c.keys.dtype), v.astype(c.values.dtype))
-    mx.eval([(c.keys, c.values) for c in result._cache])
     result.pending = result.pending[-1:]
 
 

@@ -12,13 +12,14 @@ the text; after it, with the default selection, the positions the question reads
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import KvlingoError
 from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
+from .recompute import Span, recompute_spans, salient_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
@@ -163,23 +164,38 @@ def recompute_live(target, cache: List, tokens: Sequence[int], plan: RecomputePl
                    read: bool = False) -> Tuple[List[Span], int]:
     """Recompute what ``plan`` chooses in a live cache that now holds its translated
     positions (a conversation's catch-up; ``tokens``: the cache's tokens), choosing
-    with ``question``, the tokens read next. ``read``: the pass also reads the
-    question but for its last token. Returns (the spans recomputed, how many
-    question tokens the cache holds now)."""
+    with ``question``, the tokens read next. ``read``: the cache also takes the
+    question but its last token, as the choice read it (a switch keeps that first
+    reading too: only the last token is read after the recompute). Returns (the
+    spans recomputed, how many question tokens the cache holds now)."""
     if not plan.count:
         return [], 0
     layers = history.layers if history is not None else None
     end = min(c.offset for c in cache)
-    spans = plan.lexical
+    spans, rows = plan.lexical, []
     if question:
         spans = plan.choose(target, cache, list(tokens[:end]) + list(question), end, layers,
-                            floor=whole_context_from(target, cache, layers or {}))
-    inputs = list(question[:-1]) if read else []
-    if spans and inputs:
-        recompute_and_read(target, cache, tokens, spans, inputs, history=layers)
-    elif spans:
+                            floor=whole_context_from(target, cache, layers or {}),
+                            rows=rows if read else None)
+    read_now = 0
+    if rows and rows[0][0].shape[2]:
+        append_rows(target, cache, rows, history, end)
+        layers = history.layers if history is not None else None
+        read_now = rows[0][0].shape[2]
+    if spans:
         recompute_spans(target, cache, tokens, spans, layers)
-    return spans, len(inputs) if spans else 0
+    return spans, read_now
+
+
+def append_rows(target, cache: List, rows, history: Optional[History], end: int):
+    """Append the question's rows (``rows``: each layer's keys and values, as a probe
+    computed them) to ``cache``, which holds ``end`` positions; the rows its
+    sliding-window layers then drop are kept in ``history`` for the recompute."""
+    if history is not None:
+        history.record(target, cache, 0, end)
+    for c, (k, v) in zip(cache, rows):
+        c.update_and_fetch(k.astype(c.keys.dtype), v.astype(c.values.dtype))
+    mx.eval([(c.keys, c.values) for c in cache])
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:
