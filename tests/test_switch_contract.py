@@ -36,10 +36,7 @@ def test_mlx_lm_generation_from_prompt_and_prompt_cache_equals_generate_after_sw
     t = _lossy(src, stok)
     fused = switch_text(src, stok, src, stok, t, TEXT)
     handed = switch_text(src, stok, src, stok, t, TEXT)
-    # The question's first reading keeps the tail (3 tokens): the last token is left.
-    assert fused.deferred and handed.prompt.size == 1
-    lexical = switch_text(src, stok, src, stok, t, TEXT, select="lexical")
-    assert lexical.deferred and lexical.prompt.size == 4  # tail of 3 + the last token
+    assert fused.deferred and handed.prompt.size == 4  # tail of 3 + the last token
     want = _tokens(generate_after_switch(src, stok, fused, max_tokens=12))
     got = _tokens(stream_generate(src, stok, handed.prompt, prompt_cache=handed.prompt_cache,
                                   max_tokens=12))
@@ -174,16 +171,15 @@ def test_a_converted_prompt_cache_continued_by_mlx_lm_is_the_switch(toy_pair):
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
 def test_an_exact_switch_with_the_questions_choice_is_a_re_prefill(arch):
-    """With exact maps, a switch whose recompute the question chooses (its tail
-    kept from the probe's reading, only the last token read after the recompute;
-    sliding windows of 8 in gemma3_text, so the recompute reads rows the windows
-    dropped) continues exactly as a native prefill does."""
+    """With exact maps, a switch whose recompute the question chooses (sliding
+    windows of 8 in gemma3_text, so the recompute reads rows the windows dropped)
+    continues exactly as a native prefill does."""
     m = tiny_model(arch)
     t = identity_translator(m)
     t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
     ids = mx.random.randint(0, 97, (40,), key=mx.random.key(11)).tolist()
     result = switch(m, m, t, ids)
-    assert result.deferred and result.prompt.size == 1
+    assert result.deferred and result.prompt.size == 6
     logits = result.read()[0, -1]
     native = m(mx.array([ids]))[0, -1]
     assert mx.abs(logits - native).max().item() < 1e-3

@@ -12,14 +12,13 @@ the text; after it, with the default selection, the positions the question reads
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import KvlingoError
 from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, recompute_spans, salient_spans
+from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
@@ -139,22 +138,18 @@ class RecomputePlan:
         return History(since=self.lexical[0][0]) if self.lexical else None
 
     def choose(self, target, cache: List, tokens: Sequence[int], question_start: int,
-               history: Optional[dict] = None, floor: int = 0,
-               rows: Optional[list] = None) -> List[Span]:
+               history: Optional[dict] = None, floor: int = 0) -> List[Span]:
         """The spans to recompute, once ``cache`` holds the translation:
         ``tokens[question_start:]`` is the question (positions the cache holds are
         read again, the others after them; nothing is written). ``floor``: the
-        first position the question's choice may take. ``rows``: filled with the
-        question's rows after the cache but its last token's (query.question_scores),
-        when the question was read."""
+        first position the question's choice may take."""
         if not self.by_question or not self.count:
             return self.lexical
         lo = max(self.lo, floor)
         hi = min(self.hi, question_start)
         if hi - lo < 1:
             return self.lexical
-        scores = question_scores(target, cache, tokens, question_start, self.lo, history,
-                                 rows)
+        scores = question_scores(target, cache, tokens, question_start, self.lo, history)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
                               keep=self.lexical)
 
@@ -164,38 +159,24 @@ def recompute_live(target, cache: List, tokens: Sequence[int], plan: RecomputePl
                    read: bool = False) -> Tuple[List[Span], int]:
     """Recompute what ``plan`` chooses in a live cache that now holds its translated
     positions (a conversation's catch-up; ``tokens``: the cache's tokens), choosing
-    with ``question``, the tokens read next. ``read``: the cache also takes the
-    question but its last token, as the choice read it (a switch keeps that first
-    reading too: only the last token is read after the recompute). Returns (the
-    spans recomputed, how many question tokens the cache holds now)."""
+    with ``question``, the tokens read next. ``read``: the pass also reads the
+    question but its last token, after the recomputed positions, as a switch's
+    first pass does. Returns (the spans recomputed, how many question tokens the
+    cache holds now)."""
     if not plan.count:
         return [], 0
     layers = history.layers if history is not None else None
     end = min(c.offset for c in cache)
-    spans, rows = plan.lexical, []
+    spans = plan.lexical
     if question:
         spans = plan.choose(target, cache, list(tokens[:end]) + list(question), end, layers,
-                            floor=whole_context_from(target, cache, layers or {}),
-                            rows=rows if read else None)
-    read_now = 0
-    if rows and rows[0][0].shape[2]:
-        append_rows(target, cache, rows, history, end)
-        layers = history.layers if history is not None else None
-        read_now = rows[0][0].shape[2]
-    if spans:
+                            floor=whole_context_from(target, cache, layers or {}))
+    inputs = list(question[:-1]) if read else []
+    if spans and inputs:
+        recompute_and_read(target, cache, tokens, spans, inputs, history=layers)
+    elif spans:
         recompute_spans(target, cache, tokens, spans, layers)
-    return spans, read_now
-
-
-def append_rows(target, cache: List, rows, history: Optional[History], end: int):
-    """Append the question's rows (``rows``: each layer's keys and values, as a probe
-    computed them) to ``cache``, which holds ``end`` positions; the rows its
-    sliding-window layers then drop are kept in ``history`` for the recompute."""
-    if history is not None:
-        history.record(target, cache, 0, end)
-    for c, (k, v) in zip(cache, rows):
-        c.update_and_fetch(k.astype(c.keys.dtype), v.astype(c.values.dtype))
-    mx.eval([(c.keys, c.values) for c in cache])
+    return spans, len(inputs) if spans else 0
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:

@@ -46,16 +46,13 @@ MIN_QUESTION = 16
 
 
 def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start: int,
-                    lo: int = 1, history: Optional[dict] = None,
-                    rows: Optional[list] = None) -> np.ndarray:
+                    lo: int = 1, history: Optional[dict] = None) -> np.ndarray:
     """How much the target, reading ``tokens[start:]`` (the question) on ``cache``,
     attends to each position lo..start-1 (see the module's docstring): an array of
     start - lo scores. ``cache`` holds ``tokens[:end]`` for some end >= start - 1;
     question positions it holds are read again, the others after them, as in a
     recompute pass (:class:`~.recompute._PassView`): the cache is left as it was.
-    ``history``: rows older than a sliding layer keeps (kernel.History.layers).
-    ``rows``: a list to fill with each layer's (keys, values) of the question's
-    positions after the cache but its last (what appending them would write)."""
+    ``history``: rows older than a sliding layer keeps (kernel.History.layers)."""
     end = min(c.offset for c in cache)
     top = len(tokens)
     if not lo <= start <= end + 1 or start >= top or end > top:
@@ -84,9 +81,6 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
             mx.eval(hidden, totals)
     finally:
         module.scaled_dot_product_attention = attention.original
-    if rows is not None:  # positions end..top-2, read after the cache's end
-        a, b = end - start, top - 1 - start
-        rows.extend((v.new_keys[..., a:b, :], v.new_values[..., a:b, :]) for v in views)
     if not totals:
         return np.zeros((start - lo,), np.float32)
     total = sum(totals[1:], totals[0])
