@@ -15,9 +15,7 @@ of the target over the short question. The score of a context position is, summe
 over the target's layers, the largest attention any head of the question's *last*
 token gives it: that token predicts the answer's first word, and a head that
 retrieves a fact puts its mass on the fact even when most heads look at the
-recent tokens. (On held-out plain-word facts, 48 items each way between SmolLM2
-and Gemma 3, the last token's choice held the answer in 35-37 of 40 items at half
-the default budget; the same score averaged over all the question's tokens, 9-14.)
+recent tokens (docs/design.md compares the ways of scoring that were measured).
 The attention sink (positions below ``lo``) and the question itself are not
 scored.
 """
