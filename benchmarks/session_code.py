@@ -4,7 +4,10 @@ constant's value), the small model answers, then the user asks the large model
 about the detail. Scored for the large model after a switch (a `Session`
 catch-up: the paste and the small model's answer translated, the question read
 natively), the large model after a re-prefill of the same messages, and the small
-model answering itself; with the question turn's time to first token.
+model answering itself; with the question turn's time to first token. Beside
+them, a one-shot switch of the same conversation (the small model's cache of the
+whole prompt switched with `switch`, as `mlx-kvlingo switch` does) for its time
+to first token and its answer.
 
     python benchmarks/session_code.py --tokens 1000 --items 24 --json OUT.json
 
@@ -25,12 +28,14 @@ from mlx_kvlingo.measure.bootstrap import mean_interval, paired_mean_difference
 from mlx_kvlingo.measure.recall import matches
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import load_shipped
+from mlx_kvlingo.switching.pipeline import run_switch
 
 PASTE = ("Here is a Python module I am working on:\n\n```python\n{code}\n```\n\n"
          "Summarise what it does in one sentence.")
 QUESTION = ("In the module I pasted, how does this line end? Reply with the missing word "
             "or value only.\n\n{cue}")
-SETTINGS = ("large after switch", "large after re-prefill", "small itself")
+SETTINGS = ("large after switch", "large after re-prefill", "small itself",
+            "large after one-shot switch")
 
 
 def main(argv=None):
@@ -62,7 +67,8 @@ def main(argv=None):
         if key in done:
             rows.append(done[key])
             continue
-        row = run_item(switching.fresh(), native.fresh(), item, args.small_answer)
+        row = run_item(switching.fresh(), native.fresh(), item, args.small_answer,
+                       models, translators[("small", "large")])
         row["key"] = key
         rows.append(row)
         if checkpoint is not None:
@@ -79,8 +85,9 @@ def main(argv=None):
         print(f"Wrote {args.json}")
 
 
-def run_item(switching: Session, native: Session, item, small_tokens: int) -> dict:
-    """One chat three ways (see the module's docstring)."""
+def run_item(switching: Session, native: Session, item, small_tokens: int, models,
+             translator) -> dict:
+    """One chat three ways, and the one-shot switch (see the module's docstring)."""
     paste = PASTE.format(code=item.context)
     question = QUESTION.format(cue=item.cue.strip())
     said = switching.generate("small", paste, max_tokens=small_tokens).text
@@ -90,12 +97,18 @@ def run_item(switching: Session, native: Session, item, small_tokens: int) -> di
     reprefilled = native.generate("large", [{"role": "user", "content": paste},
                                             {"role": "assistant", "content": said},
                                             {"role": "user", "content": question}], max_tokens=20)
+    prompt = list(switching.transcript_of("large").tokens[:after_switch.context_tokens])
+    one_shot = run_switch(*models["small"], *models["large"], translator, prompt,
+                          max_tokens=20, compare=False)
     out = {"kind": item.kind, "answer": item.answer,
            "context_tokens": after_switch.context_tokens,
            "translated": after_switch.translated, "recomputed": after_switch.recomputed}
     for name, r in zip(SETTINGS, (after_switch, reprefilled, itself)):
         out[name] = {"said": r.text, "right": answered(r.text, item),
                      "ttft_s": r.ttft_s}
+    out[SETTINGS[3]] = {"said": one_shot["switch_answer"],
+                        "right": answered(one_shot["switch_answer"], item),
+                        "ttft_s": one_shot["switch_ttft_s"]}
     return out
 
 
@@ -141,6 +154,11 @@ def summarise(rows) -> dict:
     lines.append(f"\nswitch / re-prefill: right {out['switch / re-prefill']['right']}, "
                  f"first token {out['switch / re-prefill']['ttft']:.1f}x sooner; median "
                  f"context {statistics.median(r['context_tokens'] for r in rows)} tokens")
+    one_shot = out[SETTINGS[3]]["ttft_s"]
+    out["session / one-shot ttft"] = out[SETTINGS[0]]["ttft_s"] / one_shot
+    lines.append(f"the Session's switch took {out['session / one-shot ttft']:.2f}x the one-shot "
+                 f"switch's time to first token ({one_shot * 1e3:.0f} ms); the re-prefill "
+                 f"{base['ttft_s'] / one_shot:.1f}x")
     out["table"] = "\n".join(lines)
     return out
 

@@ -128,6 +128,23 @@ def test_only_the_server_module_touches_sockets():
     assert not found, "\n".join(found)
 
 
+# What builds a switched cache: translating rows, recomputing them in a pass with the
+# tokens read after them. A conversation's catch-up and the server use switching's
+# switches (switching.catch_up, switching.api), never these parts.
+CACHE_BUILDERS = {"translate_span", "translate_aligned", "translate_into", "translate_cache",
+                  "recompute_and_read", "map_early_layer"}
+
+
+@pytest.mark.parametrize("layer", ["chat", "serve"])
+def test_a_conversation_builds_no_switched_cache_itself(layer):
+    found = [f"{p.relative_to(ROOT)}:{line} imports {sorted(set(names) & CACHE_BUILDERS)}"
+             for name, p in modules().items() if name.split(".")[1:2] == [layer]
+             for line, module, names in imported_names(p)
+             if module.startswith("mlx_kvlingo.switching") and set(names) & CACHE_BUILDERS]
+    assert not found, "\n".join(found)
+    assert any(name.split(".")[1:2] == [layer] for name in modules())
+
+
 @pytest.mark.parametrize("folder", ["tests", "benchmarks", "examples"])
 def test_no_private_names_imported_from_the_package(folder):
     found = []

@@ -45,15 +45,16 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generation_stream, stream_generate
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import cache_length, trim_cache_to
 from ..models.geometry import tokenizer_fingerprint
-from ..switching.api import RecomputeBudget
+from ..switching.api import RecomputeBudget, SwitchResult
+from ..switching.generate import generate_after_switch
 from ..translator.maps import Translator
-from .catch_up import catch_up_gated, restore
+from .catch_up import catch_up_turn, restore
 from .transcript import TEMPLATE, Span, Transcript, ids_offsets
 from .turns import TurnReport, TurnStream, format_reports
 
@@ -358,7 +359,7 @@ class Session:
             if L:
                 if view.processed[model] >= L:  # it wrote the last token: re-read it
                     restore(self, model, L - 1)
-                self._catch_up(model, L - 1, report)
+                self._catch_up(model, L - 1, report).read_all()
                 inputs = [view.tokens[-1]] + tokens[:-1]
             else:
                 inputs = tokens
@@ -520,21 +521,19 @@ class Session:
             report.index = len(self.reports)
             self.reports.append(report)
             if ids:
-                # The new messages choose what the catch-up recomputes, and are read
-                # in its pass where they can be (all but the last token).
-                read = self._catch_up(name, L, report, question=ids)
-                prompt = ids[read:]
+                # The new messages choose what the catch-up recomputes; the first
+                # pass reads them with the native tail and the recompute folded in.
+                switched = self._catch_up(name, L, report, question=ids)
             else:  # nothing new to say: the model re-reads the last token itself
                 if not L:
                     raise KvlingoError("The conversation is empty: give a message.")
                 if view.processed[name] >= L:
                     restore(self, name, L - 1)
-                self._catch_up(name, L - 1, report)
-                prompt = view.tokens[-1:]
+                switched = self._catch_up(name, L - 1, report, question=view.tokens[-1:])
             for v in self._views.values():
                 self._append_chunk(v, chunks[id(v)], name, v is view)
             report.new_tokens = len(ids)
-            report.prefilled += len(ids) or len(prompt)
+            report.prefilled += len(ids) or 1
             report.context_tokens = len(view)
             self.messages.extend(new_messages)
             self._message_pieces.extend(pieces)
@@ -545,10 +544,8 @@ class Session:
             start = len(view)
             view.last_token_eos = False
             eos = _eos_ids(entry.tokenizer)
-            responses = stream_generate(
-                entry.model, entry.tokenizer, mx.array(prompt), max_tokens=max_tokens,
-                prompt_cache=entry.cache, **kwargs,
-            )
+            responses = generate_after_switch(entry.model, entry.tokenizer, switched,
+                                              max_tokens=max_tokens, **kwargs)
             try:
                 for r in responses:
                     if report.ttft_s is None:
@@ -567,17 +564,12 @@ class Session:
                 report.total_s = time.perf_counter() - t0
 
     def _catch_up(self, name: str, end: int, report: TurnReport,
-                  question: Sequence[int] = ()) -> int:
-        """:func:`catch_up_gated`, recording which positions of the cache the model
-        did not compute itself (the whole catch-up when it translated anything).
-        Returns how many ``question`` tokens it read."""
-        view = self._view_of[name]
-        view.clip_foreign(name)
-        start = view.processed[name]
-        read = catch_up_gated(self, name, end, report, question)
-        if report.translated:
-            view.mark_foreign(name, start, view.processed[name])
-        return read
+                  question: Sequence[int] = ()) -> SwitchResult:
+        """Bring ``name`` up to ``end`` (:func:`catch_up_turn`), ``question`` left for
+        its first pass; the cache records which positions the model did not compute
+        itself (the whole catch-up when it translated anything)."""
+        self._view_of[name].clip_foreign(name)
+        return catch_up_turn(self, name, end, report, question)
 
     def _append_chunk(self, view: Transcript, chunk, writer: str, own: bool,
                       kind: str = "prompt"):

@@ -18,7 +18,7 @@ from ..errors import KvlingoError
 from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, recompute_and_read, recompute_spans, salient_spans
+from .recompute import Span, salient_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
@@ -152,31 +152,6 @@ class RecomputePlan:
         scores = question_scores(target, cache, tokens, question_start, self.lo, history)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
                               keep=self.lexical)
-
-
-def recompute_live(target, cache: List, tokens: Sequence[int], plan: RecomputePlan,
-                   history: Optional[History] = None, question: Sequence[int] = (),
-                   read: bool = False) -> Tuple[List[Span], int]:
-    """Recompute what ``plan`` chooses in a live cache that now holds its translated
-    positions (a conversation's catch-up; ``tokens``: the cache's tokens), choosing
-    with ``question``, the tokens read next. ``read``: the pass also reads the
-    question but its last token, after the recomputed positions, as a switch's
-    first pass does. Returns (the spans recomputed, how many question tokens the
-    cache holds now)."""
-    if not plan.count:
-        return [], 0
-    layers = history.layers if history is not None else None
-    end = min(c.offset for c in cache)
-    spans = plan.lexical
-    if question:
-        spans = plan.choose(target, cache, list(tokens[:end]) + list(question), end, layers,
-                            floor=whole_context_from(target, cache, layers or {}))
-    inputs = list(question[:-1]) if read else []
-    if spans and inputs:
-        recompute_and_read(target, cache, tokens, spans, inputs, history=layers)
-    elif spans:
-        recompute_spans(target, cache, tokens, spans, layers)
-    return spans, len(inputs) if spans else 0
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:
