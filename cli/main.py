@@ -39,7 +39,8 @@ KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default the
                        "dequantized and cast to float32, which runs faster there).")
 
 
-CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' (Debian's package), a .txt/.jsonl "
+CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' or 'fortunes' (Debian's packages), "
+               "a .txt/.jsonl "
                "file or directory, or hf:OWNER/NAME (a hub dataset); mix with + "
                "(stdlib*2+austen: docstrings weighed twice).")
 
@@ -706,6 +707,49 @@ def defaults(
         way = f", chosen by {spec.recompute_select}" if spec.recompute else ""
         typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}"
                    f"{way}")
+
+    _run(go)
+
+
+@app.command("break-even")
+def break_even_cmd(
+    source: str = typer.Option(..., help="Model whose cache is translated."),
+    target: str = typer.Option(..., help="Model that reads it."),
+    translator: Optional[Path] = typer.Option(
+        None, help="Translator file for source -> target (default: the shipped one)."),
+    repeats: int = typer.Option(2, help="Timings per length (the median is kept)."),
+    store: bool = typer.Option(
+        True, help="Keep the result for this machine and pair (break-even.json in the cache "
+        "directory), where a Session and `serve` read it."),
+    keep_quantized: bool = typer.Option(False, help=KEEP_QUANTIZED_HELP),
+):
+    """Measure, on this machine, the shortest span a switch is worth it for: below it a
+    conversation's catch-up (and `serve`) prefills instead of translating."""
+    from mlx_kvlingo.data.corpus import stdlib_documents
+    from mlx_kvlingo.pairs.shipped import translator_for
+    from mlx_kvlingo.switching.break_even import (LENGTHS, QUESTION, measure_break_even,
+                                                  store_break_even)
+
+    def go():
+        _warn_if_slow_blas()
+        t = translator_for(source, target, translator)
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo,
+                                               keep_quantized=keep_quantized)
+        t.check_models(src, tgt, src_tok, tgt_tok)
+        text = "\n\n".join(doc for _, doc in stdlib_documents()[:60])
+        need = max(LENGTHS) + QUESTION
+        source_ids, target_ids = src_tok.encode(text)[:need], tgt_tok.encode(text)[:need]
+        typer.echo(f"{'positions':>9} {'switch ms':>10} {'prefill ms':>11}")
+
+        def show(n, switch_s, prefill_s):
+            typer.echo(f"{n:>9} {switch_s * 1e3:>10.0f} {prefill_s * 1e3:>11.0f}"
+                       + ("  switch wins" if switch_s < prefill_s else ""))
+
+        found = measure_break_even(src, tgt, t, source_ids, target_ids, repeats=repeats,
+                                   progress=show)
+        typer.echo(f"break-even: {found.tokens} positions ({found.machine})")
+        if store:
+            typer.echo(f"Kept in {store_break_even(found, t, tgt)}")
 
     _run(go)
 

@@ -67,6 +67,10 @@ def register(app: typer.Typer):
         recompute_max: Optional[int] = typer.Option(
             None, help="The most positions one catch-up recomputes (0: no limit; default: "
             "the translator's)."),
+        break_even: Optional[int] = typer.Option(
+            None, help="A catch-up that would translate fewer positions prefills them "
+            "instead. Default: what `mlx-kvlingo break-even` measured for the pair on this "
+            "machine, else 0 (always translate)."),
     ):
         """Serve the models over an OpenAI-compatible API (/v1/chat/completions):
         a conversation moves between models by translating its cache."""
@@ -79,5 +83,5 @@ def register(app: typer.Typer):
             max_body_kb=max_body_kb, max_conversations=max_conversations,
             max_cache_mb=max_cache_mb, request_timeout=request_timeout, keepalive=keepalive,
             allowed_origins=allowed_origin or ["*"], cache_dir=cache_dir, recompute=recompute,
-            recompute_max=recompute_max)
+            recompute_max=recompute_max, break_even=break_even)
         _run(lambda: run_server(options, log=typer.echo))

@@ -10,8 +10,8 @@ import pytest
 from mlx_kvlingo.translator.maps import load_translator
 
 
-def run_cli(*args, check=True, timeout=600):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def run_cli(*args, check=True, timeout=600, env=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **{k: str(v) for k, v in (env or {}).items()})
     proc = subprocess.run(
         [sys.executable, "-m", "mlx_kvlingo_cli.main", *map(str, args)],
         capture_output=True,

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..models.cache import trim_cache_to
 from ..switching.api import SwitchResult
+from ..switching.break_even import stored_break_even
 from ..switching.catch_up import CatchUp, Run, catch_up
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
@@ -41,7 +42,8 @@ def catch_up_turn(session, name: str, end: int, report: TurnReport,
         done = catch_up(entry.model, entry.cache, view.tokens, start, runs, question,
                         tokenizer=entry.tokenizer, recompute=session.recompute,
                         recompute_max=session.recompute_max, judge=judge,
-                        judge_tokens=gate.tokens if gate is not None else 0)
+                        judge_tokens=gate.tokens if gate is not None else 0,
+                        break_even=_break_even(session, runs, entry.model))
     except BaseException:
         # Interrupted (Ctrl-C) or failed half-way: layers may disagree. Start this
         # model's cache afresh; its next turn catches up from the beginning.
@@ -51,6 +53,15 @@ def catch_up_turn(session, name: str, end: int, report: TurnReport,
         raise
     _record(session, name, start, end, done, report)
     return done.result
+
+
+def _break_even(session, runs: List[Run], model) -> int:
+    """The session's break-even, else the largest measured for the translators of
+    ``runs`` on this machine (0 where none was)."""
+    if session.break_even is not None:
+        return session.break_even
+    found = [stored_break_even(r.translator, model) for r in runs if r.translator is not None]
+    return max([n for n in found if n is not None], default=0)
 
 
 def _runs(session, name: str, start: int, end: int, report: TurnReport) -> List[Run]:

@@ -98,6 +98,11 @@ class Session:
     ``recompute_max``: the most positions a catch-up recomputes (0: no limit). None
     (default): the translators' own defaults (``spec.recompute``,
     ``spec.recompute_max``, ``spec.recompute_reserve``).
+    ``break_even``: a catch-up that would translate fewer positions computes them
+    natively instead (a short switch costs more than it saves). None (default):
+    what was measured for the pair on this machine
+    (:func:`~mlx_kvlingo.switching.break_even.measure_break_even`, kept by
+    ``mlx-kvlingo break-even`` and ``serve``), else 0 (always translate).
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;
@@ -120,6 +125,7 @@ class Session:
         gate=None,
         recompute: Optional[float] = None,
         recompute_max: Optional[int] = None,
+        break_even: Optional[int] = None,
     ):
         self._models: Dict[str, _Entry] = {}
         self._translators: Dict[Tuple[str, str], Translator] = {}
@@ -132,6 +138,9 @@ class Session:
         self.gate = gate
         RecomputeBudget.check(recompute, recompute_max)
         self.recompute, self.recompute_max = recompute, recompute_max
+        if break_even is not None and (not isinstance(break_even, int) or break_even < 0):
+            raise KvlingoError(f"break_even is a number of positions >= 0, not {break_even!r}.")
+        self.break_even = break_even
         self.messages: List[Message] = []
         self._message_pieces: List[int] = []  # per message: its text piece id
         self._next_piece = 0
@@ -178,7 +187,7 @@ class Session:
         """A new, empty conversation with this session's models, translators and
         settings (nothing loaded or checked again: cheap)."""
         s = Session(system_prompt=self.system_prompt, chat_template=self._use_template,
-                    gate=self.gate, recompute=self.recompute,
+                    gate=self.gate, recompute=self.recompute, break_even=self.break_even,
                     recompute_max=self.recompute_max)
         for fp, v in self._views.items():
             s._views[fp] = Transcript(v.tokenizer, self._use_template)

@@ -17,19 +17,14 @@ Documents are chapters, their hard-wrapped lines joined into paragraphs, named
 ``austen/<novel>/<chapter>``.
 """
 
-import io
-import os
 import re
 import struct
-import subprocess
-import tarfile
-import tempfile
 import zlib
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..errors import KvlingoError
-from ..files import default_cache_dir
+from .debian import deb_files, package_deb
 
 PACKAGE = "r-cran-janeaustenr"
 NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice",
@@ -49,51 +44,14 @@ def austen_documents(cache_dir: Optional[Path] = None) -> List[Tuple[str, str]]:
 
 
 def _rdb_bytes(cache_dir: Optional[Path]) -> bytes:
-    """Rdata.rdb from an installed copy, a cached .deb, or ``apt-get download``."""
+    """Rdata.rdb from an installed copy, else the package's .deb (data.debian)."""
     if _INSTALLED.is_file():
         return _INSTALLED.read_bytes()
-    if cache_dir is None:
-        cache_dir = default_cache_dir()
-    cache_dir = Path(cache_dir) / "corpora"
-    debs = sorted(cache_dir.glob(f"{PACKAGE}_*.deb"))
-    if not debs:
-        debs = [_download_deb(cache_dir)]
-    return _deb_member(debs[-1].read_bytes(), _RDB_MEMBER)
-
-
-def _download_deb(cache_dir: Path) -> Path:
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        try:
-            subprocess.run(["apt-get", "download", PACKAGE], cwd=tmp, check=True,
-                           capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            raise KvlingoError(
-                f"The 'austen' corpus comes from Debian's {PACKAGE} package, fetched with "
-                f"`apt-get download {PACKAGE}` (no R needed); that failed here ({detail.strip()}). "
-                f"Put the .deb in {cache_dir} by hand, or use another corpus."
-            ) from e
-        deb = next(Path(tmp).glob(f"{PACKAGE}_*.deb"))
-        final = cache_dir / deb.name
-        os.replace(deb, final)
-    return final
-
-
-def _deb_member(deb: bytes, member: str) -> bytes:
-    """One file out of a .deb: an ar archive whose data.tar.* holds the files."""
-    if not deb.startswith(b"!<arch>\n"):
-        raise KvlingoError(f"The {PACKAGE} .deb is not an ar archive.")
-    pos = 8
-    while pos + 60 <= len(deb):
-        name = deb[pos : pos + 16].decode().strip().rstrip("/")
-        size = int(deb[pos + 48 : pos + 58].decode().strip())
-        body = deb[pos + 60 : pos + 60 + size]
-        if name.startswith("data.tar"):
-            with tarfile.open(fileobj=io.BytesIO(body)) as tar:
-                return tar.extractfile(member).read()
-        pos += 60 + size + (size % 2)
-    raise KvlingoError(f"The {PACKAGE} .deb has no data archive.")
+    files = deb_files(package_deb(PACKAGE, "austen", cache_dir), lambda n: n == _RDB_MEMBER,
+                      PACKAGE)
+    if _RDB_MEMBER not in files:
+        raise KvlingoError(f"The {PACKAGE} .deb has no {_RDB_MEMBER}.")
+    return files[_RDB_MEMBER]
 
 
 def _read_novels(rdb: bytes) -> List[List[str]]:

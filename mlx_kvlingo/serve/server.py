@@ -777,6 +777,9 @@ class ServeOptions:
     # positions per catch-up; None: the translators' defaults.
     recompute: Optional[float] = None
     recompute_max: Optional[int] = None
+    # Catch-ups translating fewer positions prefill instead; None: measured per pair
+    # on this machine (switching.break_even), else 0.
+    break_even: Optional[int] = None
 
 
 def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServer:
@@ -791,6 +794,8 @@ def start(options: ServeOptions, log: Callable[[str], None] = print) -> ChatServ
                          recompute=options.recompute, recompute_max=options.recompute_max)
     if options.gate:
         base.gate = QualityGate(threshold=options.gate_threshold)
+    if options.break_even is not None:
+        base.break_even = options.break_even
     names = base.model_names
     small, _, large = (options.auto or f"{names[0]}:{names[1]}").partition(":")
     route = AutoRoute(small, large, options.auto_probe, options.auto_entropy)

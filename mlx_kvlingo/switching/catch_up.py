@@ -92,7 +92,7 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
              runs: Sequence[Run], question: Sequence[int] = (), tokenizer=None,
              recompute: Optional[float] = None, recompute_max: Optional[int] = None,
              select: Optional[str] = None, judge: Optional[Judge] = None,
-             judge_tokens: int = 0) -> CatchUp:
+             judge_tokens: int = 0, break_even: int = 0) -> CatchUp:
     """Extend ``cache`` (holding ``tokens[:start]``) over ``runs`` (consecutive,
     from ``start`` to ``end``, the last run's ``hi``), then leave the native tail
     and ``question`` (the tokens read next, not in ``tokens``) to the reader's first
@@ -102,10 +102,17 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
     the defaults of the translators involved, counted on the whole context as a
     switch counts it). ``tokenizer``: decodes the translated positions for the
     fact-like words. ``judge`` / ``judge_tokens``: the quality gate and how many
-    of the last positions it scores (at least 2 to judge)."""
+    of the last positions it scores (at least 2 to judge). ``break_even``: when
+    the runs to translate hold fewer positions, the reader computes them itself
+    instead (a shorter switch costs more than it saves: switching.break_even)."""
     t0 = time.perf_counter()
     end = runs[-1].hi if runs else start
     _check_runs(runs, start, end)
+    reason = None
+    translatable = sum(r.hi - r.lo for r in runs if r.translator is not None)
+    if 0 < translatable < break_even:
+        runs = [Run(start, end)]
+        reason = f"break-even: {translatable} positions to translate, fewer than {break_even}"
     translators = [r.translator for r in runs if r.translator is not None]
     specs = [t.spec for t in translators]
     g = judge_tokens if judge is not None else 0
@@ -116,7 +123,8 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
     history = plan.history()
     if history is not None:  # rows held from earlier turns, before new runs push them out
         history.record(model, cache, 0, start)
-    out = CatchUp(SwitchResult(cache, mx.array([], mx.int32), 0.0, model), cache, start)
+    out = CatchUp(SwitchResult(cache, mx.array([], mx.int32), 0.0, model), cache, start,
+                  fallback=reason)
     for run in _clip(runs, end - m):
         _add_run(model, tokens, run, history, out)
     if out.cache and out.cache[0].keys is not None:
