@@ -34,14 +34,15 @@ def catch_up_turn(session, name: str, end: int, report: TurnReport,
     runs = _runs(session, name, start, end, report)
     gate = session.gate
     specials = view.tokens[:leading_specials(view)]
-    judge = None
-    if gate is not None:
-        def judge(model, cache, tail, translators):
-            return gate.judge(model, cache, tail, specials, translators)
+
+    def judge(model, cache, tail, translators):
+        return gate.judge(model, cache, tail, specials, translators)
+
     try:
         done = catch_up(entry.model, entry.cache, view.tokens, start, runs, question,
                         tokenizer=entry.tokenizer, recompute=session.recompute,
-                        recompute_max=session.recompute_max, judge=judge,
+                        recompute_max=session.recompute_max,
+                        judge=judge if gate is not None else None,
                         judge_tokens=gate.tokens if gate is not None else 0,
                         break_even=_break_even(session, runs, entry.model))
     except BaseException:
