@@ -320,8 +320,10 @@ class Session:
         ``{"role", "content"}`` messages, or None (the model takes another turn
         after the last one).
 
-        ``generate_kwargs`` go to mlx-lm's ``stream_generate`` (``sampler``,
-        ``logits_processors``, ``prefill_step_size``, ...); greedy by default.
+        ``generate_kwargs`` go to mlx-lm's generation (``sampler``,
+        ``logits_processors``, ``prefill_step_size``, ...; switching.generate:
+        ``generate_after_switch``, which reads the turn's new tokens, the native
+        tail and the catch-up's recompute in one first pass); greedy by default.
 
         Returns the turn's :class:`TurnReport` (with the answer's text), or with
         ``stream=True`` a :class:`TurnStream` of mlx-lm ``GenerationResponse``s.
