@@ -106,3 +106,13 @@ def test_the_cli_measures_and_keeps_the_break_even(toy_pair_dirs, pair, tmp_path
                    "--translator", path, "--repeats", "1", env={"MLX_KVLINGO_CACHE": tmp_path})
     assert "break-even:" in proc.stdout and "prefill ms" in proc.stdout
     assert stored_break_even(t, tgt, tmp_path) is not None
+
+
+def test_a_session_says_which_break_even_it_uses(target_pair_twin):
+    from mlx_kvlingo.pairs.assemble import describe_session
+
+    m, tok = target_pair_twin
+    s = Session({"a": (m, tok), "b": (m, tok)}, {("a", "b"): identity_translator(m, tok)})
+    assert "break-even: a -> b not measured" in describe_session(s)
+    s.break_even = 64
+    assert "catch-ups under 64 positions prefill" in describe_session(s)

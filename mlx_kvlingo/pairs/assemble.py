@@ -8,6 +8,7 @@ from ..chat.session import Session
 from ..errors import KvlingoError
 from ..models.geometry import cache_geometry, model_name
 from ..models.load import load
+from ..switching.break_even import stored_break_even
 from ..translator.maps import load_translator
 from .builtin import builtin_session, stage1_translator
 from .shipped import load_shipped
@@ -119,6 +120,21 @@ def describe_session(session: Session) -> str:
     missing = [f"{s} -> {t}" for s in session.model_names for t in session.model_names
                if s != t and not session.has_translator(s, t)]
     lines.append("  translators: " + (", ".join(pairs) or "none"))
+    if pairs:
+        lines.append("  break-even: " + _break_evens(session))
     if missing:
         lines.append("  no translator (falls back to prefill): " + ", ".join(missing))
     return "\n".join(lines)
+
+
+def _break_evens(session: Session) -> str:
+    """The shortest catch-up each direction translates (switching.break_even)."""
+    if session.break_even is not None:
+        return f"catch-ups under {session.break_even} positions prefill (set)"
+    found = []
+    for s in session.model_names:
+        for t in session.model_names:
+            if s != t and session.has_translator(s, t):
+                n = stored_break_even(session.translator(s, t), session.model(t))
+                found.append(f"{s} -> {t} {n if n is not None else 'not measured'}")
+    return ", ".join(found) + " (positions; `mlx-kvlingo break-even` measures it here)"
