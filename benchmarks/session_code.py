@@ -46,6 +46,8 @@ def main(argv=None):
     p.add_argument("--items", type=int, default=24)
     p.add_argument("--kinds", default="code,identifier,number")
     p.add_argument("--small-answer", type=int, default=32, help="tokens of the small answer")
+    p.add_argument("--select", default=None,
+                   help="how the catch-up chooses what to recompute (default: the files')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -54,6 +56,9 @@ def main(argv=None):
     large, large_tok = load(args.large)
     translators = {("small", "large"): load_shipped(args.small, args.large),
                    ("large", "small"): load_shipped(args.large, args.small)}
+    if args.select is not None:
+        for t in translators.values():
+            t.spec.recompute_select = args.select
     models = {"small": (small, tok), "large": (large, large_tok)}
     switching, native = Session(models, translators), Session(models, {})
     items = recall_items(heldout_code_filler(), args.items, args.tokens,

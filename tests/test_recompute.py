@@ -448,3 +448,36 @@ def test_a_files_reserve_comes_off_its_default_share_only(toy_pair, tmp_path):
 
     n = len(stok.encode(text))
     assert 0 < chosen() <= int(0.5 * n) - 6 < chosen(recompute=0.5) <= int(0.5 * n)
+
+
+def _pieces(tokens):
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append((at, at + len(t)))
+        at += len(t)
+    return "".join(tokens), offsets
+
+
+def test_words_of_several_tokens_are_found_by_their_characters():
+    from mlx_kvlingo.switching.recompute import word_spans
+
+    tokens = ["The", " PIN", " is", " ", "9", "1", "7", "3", "4", "3", ".", " foo", "_bar", " ok"]
+    text, offsets = _pieces(tokens)
+    assert word_spans(text, offsets) == [(4, 10), (11, 13)]
+    assert word_spans(text, offsets, 6, 12) == [(6, 10)]  # clipped to lo..hi
+
+
+def test_question_words_widen_a_chosen_position_to_its_whole_word():
+    import numpy as np
+
+    from mlx_kvlingo.switching.query import question_spans
+    from mlx_kvlingo.switching.recompute import word_spans
+
+    tokens = ["The", " PIN", " is", " ", "9", "1", "7", "3", "4", "3", ".", " It", " rained"]
+    text, offsets = _pieces(tokens)
+    scores = np.zeros(len(tokens) - 1)
+    scores[6 - 1] = 1.0  # the question reads the third digit most
+    plain = question_spans(scores, 6, 1, len(tokens))
+    whole = question_spans(scores, 6, 1, len(tokens), words=word_spans(text, offsets))
+    assert (4, 10) in whole  # every digit, within the same budget
+    assert not any(a <= 4 and 10 <= b for a, b in plain)

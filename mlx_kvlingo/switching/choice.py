@@ -18,12 +18,15 @@ from ..errors import KvlingoError
 from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, salient_spans
+from .recompute import Span, salient_spans, word_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
-# words; "lexical": the fact-like words only.
-SELECTIONS = ("question", "lexical")
+# words; "question-words": the same, each chosen position widened to the whole word
+# it is part of (a number a tokenizer splits digit by digit is recomputed whole);
+# "lexical": the fact-like words only.
+SELECTIONS = ("question", "question-words", "lexical")
+BY_QUESTION = ("question", "question-words")
 # With "question", the fact-like words may take at most this share of the budget;
 # the question's choice fills the rest.
 LEXICAL_SHARE = 0.5
@@ -34,7 +37,7 @@ def resolve_select(specs: Sequence, select: Optional[str]) -> str:
     says so)."""
     if select is None:
         ways = [getattr(s, "recompute_select", "question") for s in specs] or ["question"]
-        select = "question" if "question" in ways else "lexical"
+        select = next((w for w in ways if w in BY_QUESTION), "lexical")
     if select not in SELECTIONS:
         raise KvlingoError(f"select is one of {', '.join(SELECTIONS)}, not {select!r}.")
     return select
@@ -111,6 +114,7 @@ class RecomputePlan:
     hi: int = 1
     lexical: List[Span] = field(default_factory=list)
     by_question: bool = False
+    words: List[Span] = field(default_factory=list)  # multi-token words, to widen to
 
     @classmethod
     def make(cls, budget: RecomputeBudget, n: int, lo: int, hi: int, select: str,
@@ -123,13 +127,16 @@ class RecomputePlan:
         count = min(budget.positions(n), max(hi - lo, 0))
         if not count:
             return cls()
-        by_question = question and select == "question"
-        lexical = []
+        by_question = question and select in BY_QUESTION
+        lexical, words = [], []
         if text is not None:
             share = int(count * LEXICAL_SHARE) if by_question else count
             lexical = [(a + text_from, b + text_from) for a, b in salient_spans(
                 text[0], text[1], share, lo - text_from, hi - text_from)]
-        return cls(count, lo, hi, lexical, by_question)
+            if by_question and select == "question-words":
+                words = [(a + text_from, b + text_from) for a, b in word_spans(
+                    text[0], text[1], lo - text_from, hi - text_from)]
+        return cls(count, lo, hi, lexical, by_question, words)
 
     def history(self) -> Optional[History]:
         """The rows to keep for the recompute (None: nothing will be recomputed)."""
@@ -151,7 +158,7 @@ class RecomputePlan:
             return self.lexical
         scores = question_scores(target, cache, tokens, question_start, self.lo, history)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
-                              keep=self.lexical)
+                              keep=self.lexical, words=self.words)
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:

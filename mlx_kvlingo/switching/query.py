@@ -112,11 +112,13 @@ class _ScoringAttention:
 
 def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
                    keep: Sequence[Span] = (), before: int = BEFORE,
-                   after: int = AFTER) -> List[Span]:
+                   after: int = AFTER, words: Sequence[Span] = ()) -> List[Span]:
     """Spans of at most ``count`` positions in all: those of ``keep`` (chosen
     otherwise: the fact-like words), then the best-scored positions of lo..hi-1
     (``scores[i]`` is position lo + i's), each with ``before`` / ``after``
-    neighbours, until the budget is spent."""
+    neighbours and, where it lies in one of ``words`` (spans of several tokens),
+    the rest of that word, until the budget is spent."""
+    word_of = {p: (a, b) for a, b in words for p in range(a, b)}
     chosen = [p for a, b in keep for p in range(a, b)]
     spans = merge_spans(chosen, lo=lo, hi=hi) if chosen else []
     used = sum(b - a for a, b in spans)
@@ -127,7 +129,9 @@ def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
     for i in order[: 4 * count]:
         p = lo + int(i)
         # The position with its neighbours, or alone where they do not fit.
-        for window in (range(max(p - before, lo), min(p + after + 1, hi)), [p]):
+        a, b = word_of.get(p, (p, p + 1))
+        near = range(max(min(p - before, a), lo), min(max(p + after + 1, b), hi))
+        for window in (near, range(max(a, lo), min(b, hi)), [p]):
             trial = merge_spans(chosen + list(window), lo=lo, hi=hi, gap=1)
             size = sum(b - a for a, b in trial)
             if size <= count:

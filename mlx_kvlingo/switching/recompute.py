@@ -334,6 +334,28 @@ def _word_score(word: str, pieces: int, sentence_start: bool) -> float:
     return score + min(pieces - 1, 3)
 
 
+def word_spans(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
+               hi: Optional[int] = None) -> List[Span]:
+    """Token spans [a, b) of lo..hi-1 that make one word of several tokens: each
+    token starts where the one before it ends, between two letters, digits or
+    underscores (a number split digit by digit, an identifier in pieces)."""
+    hi = len(offsets) if hi is None else min(hi, len(offsets))
+    out, start = [], lo
+    for i in range(lo + 1, hi + 1):
+        joined = (i < hi and offsets[i - 1][1] == offsets[i][0] > 0
+                  and offsets[i][1] > offsets[i][0] and offsets[i - 1][1] > offsets[i - 1][0]
+                  and _word_char(text[offsets[i][0]]) and _word_char(text[offsets[i - 1][1] - 1]))
+        if not joined:
+            if i - start > 1:
+                out.append((start, i))
+            start = i
+    return out
+
+
+def _word_char(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
 def salient_words(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
                   hi: Optional[int] = None) -> List[Tuple[float, List[int]]]:
     """(score, token positions) of every fact-like word whose tokens lie in
