@@ -150,7 +150,7 @@ def main(argv=None):
         "results": {start: [r.to_dict() for r in rows] for start, rows in results.items()},
     }
     if args.gate:
-        from mlx_kvlingo.chat.gate import QualityGate, calibrate_threshold
+        from mlx_kvlingo.switching.gate import QualityGate, calibrate_threshold
 
         scores = gate_scores(models, translators, calib,
                              QualityGate(args.gate_tokens, threshold=float("inf")))

@@ -595,7 +595,7 @@ def switch_cmd(
     """The source reads the prompt, its cache is translated, the target answers;
     the answer is printed as it is generated."""
 
-    from mlx_kvlingo.chat.gate import QualityGate, SwitchJudge
+    from mlx_kvlingo.switching.gate import QualityGate, SwitchJudge
     from mlx_kvlingo.pairs.shipped import translator_for
     from mlx_kvlingo.switching.pipeline import prompt_context, run_switch
     from mlx_kvlingo_cli.common import make_sampler, read_prompt

@@ -22,7 +22,7 @@ from . import blas as _blas
 
 _blas.preload_openblas()
 
-from .chat.gate import QualityGate  # noqa: E402
+from .switching.gate import QualityGate  # noqa: E402
 from .chat.session import Session  # noqa: E402
 from .errors import KvlingoError, TranslatorMismatch  # noqa: E402
 from .models.cache import prefill  # noqa: E402

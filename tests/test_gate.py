@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from tiny import identity_translator
 
-from mlx_kvlingo.chat.gate import QualityGate, calibrate_threshold
+from mlx_kvlingo.switching.gate import QualityGate, calibrate_threshold
 from mlx_kvlingo.chat.session import Session
 
 QUESTIONS = ["Return the sum of the items.", "Open the file and return a stream.",
@@ -87,7 +87,7 @@ def test_threshold_from_the_translator_and_calibration(target):
 def test_switch_with_gate(target):
     from mlx_lm.generate import stream_generate
 
-    from mlx_kvlingo.chat.gate import switch_with_gate
+    from mlx_kvlingo.switching.gate import switch_with_gate
     from mlx_kvlingo.switching.generate import generate_after_switch
 
     m, tok = target
@@ -116,7 +116,7 @@ def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
     """The probe of an exact switch is the probe of the native cache (same words,
     same NLLs), it leaves the cache as it was, and a translation that carries
     nothing probes differently."""
-    from mlx_kvlingo.chat.gate import probe_facts
+    from mlx_kvlingo.switching.gate import probe_facts
     from mlx_kvlingo.models.cache import copy_cache, prefill, read_layer
     from mlx_kvlingo.switching.api import switch
     from mlx_kvlingo.translator.align import tokenize_with_offsets
@@ -146,7 +146,7 @@ def test_fact_probes_read_the_cache_without_changing_it(toy_pair):
 def test_the_fact_gate_keeps_a_good_cache_and_repairs_a_bad_one(toy_pair):
     """Below the threshold the switch is kept as it is; above it the cache is
     re-prefilled (the native one) or its fact-like words recomputed."""
-    from mlx_kvlingo.chat.gate import guard_facts, probe_facts
+    from mlx_kvlingo.switching.gate import guard_facts, probe_facts
     from mlx_kvlingo.models.cache import prefill, read_layer
     from mlx_kvlingo.switching.api import switch
     from mlx_kvlingo.translator.align import tokenize_with_offsets

@@ -132,7 +132,7 @@ def test_only_the_server_module_touches_sockets():
 # tokens read after them. A conversation's catch-up and the server use switching's
 # switches (switching.catch_up, switching.api), never these parts.
 CACHE_BUILDERS = {"translate_span", "translate_aligned", "translate_into", "translate_cache",
-                  "recompute_and_read", "map_early_layer"}
+                  "recompute_and_read", "recompute_spans", "map_early_layer"}
 
 
 @pytest.mark.parametrize("layer", ["chat", "serve"])

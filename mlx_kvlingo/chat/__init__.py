@@ -4,5 +4,4 @@
 - ``catch_up``: bringing a model's cache up to date with what others wrote;
 - ``transcript``: who wrote which tokens, in each model's tokenization;
 - ``turns``: per-turn reports and streams;
-- ``gate``: the quality gate that falls back to a re-prefill.
 """

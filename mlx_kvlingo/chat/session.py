@@ -88,7 +88,7 @@ class Session:
     ``chat_template``: None (default) uses each tokenizer's chat template when it
     has one; False always uses the plain ``role: content`` format.
     ``system_prompt``: a system message put before the first turn.
-    ``gate``: a :class:`~mlx_kvlingo.chat.gate.QualityGate` that judges every turn
+    ``gate``: a :class:`~mlx_kvlingo.switching.gate.QualityGate` that judges every turn
     that starts on translated positions and re-prefills when it predicts a bad
     translation (None: no gate).
     ``recompute``: after a catch-up translates, the model recomputes some of the

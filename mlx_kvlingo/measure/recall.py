@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..chat.gate import probe_facts
+from ..switching.gate import probe_facts
 from ..data.recall import KINDS, PLAIN_KINDS, RecallItem, heldout_filler, recall_items
 from ..metrics import log_softmax, nll
 from ..models.cache import prefill
@@ -55,7 +55,7 @@ class RecallScore:
     ttft_s: float  # to the first answer token
     said: str  # the greedy answer
     read: int  # context tokens in the cache the target answered from
-    # A switch's fact probe (chat.gate.probe_facts: the mean NLL with which the
+    # A switch's fact probe (switching.gate.probe_facts: the mean NLL with which the
     # switched cache continues the context's most fact-like words), taken before
     # answering; None for other settings.
     probe: Optional[float] = None

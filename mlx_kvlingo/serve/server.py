@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence
 
-from ..chat.gate import QualityGate
+from ..switching.gate import QualityGate
 from ..chat.session import finish_thread
 from ..errors import KvlingoError
 from ..pairs.assemble import build_session, describe_session

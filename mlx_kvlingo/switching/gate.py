@@ -33,8 +33,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import KvlingoError
 from ..metrics import log_softmax, nll
 from ..models.cache import copy_cache, prefill
-from ..switching.api import SwitchResult, as_batch, switch
-from ..switching.recompute import recompute_spans, salient_spans, salient_words
+from .api import SwitchResult, as_batch, switch
+from .recompute import recompute_spans, salient_spans, salient_words
 
 DEFAULT_TOKENS = 8
 DEFAULT_THRESHOLD = 0.0
