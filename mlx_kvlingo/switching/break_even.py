@@ -150,27 +150,38 @@ def _file(cache_dir: Optional[Union[str, Path]]) -> Path:
 def stored_break_even(translator: Translator, target: nn.Module,
                       cache_dir: Optional[Union[str, Path]] = None) -> Optional[int]:
     """The break-even measured on this machine for this pair and dtype, if any."""
-    path = _file(cache_dir)
-    if not path.is_file():
-        return None
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
+    table = _read_table(_file(cache_dir))
+    if not table:
         return None
     entry = table.get(machine_key(), {}).get(_pair_key(translator, target))
     return int(entry["tokens"]) if entry else None
+
+
+_READ: Dict[str, tuple] = {}  # path -> ((mtime, size), table): read again only when it changes
+
+
+def _read_table(path: Path) -> dict:
+    """The stored table (every catch-up asks; the file is parsed once per change)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return {}
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    cached = _READ.get(str(path))
+    if cached is None or cached[0] != stamp:
+        try:
+            cached = (stamp, json.loads(path.read_text()))
+        except (OSError, ValueError):
+            cached = (stamp, {})
+        _READ[str(path)] = cached
+    return cached[1]
 
 
 def store_break_even(found: BreakEven, translator: Translator, target: nn.Module,
                      cache_dir: Optional[Union[str, Path]] = None) -> Path:
     """Keep ``found`` for this machine and pair (``break-even.json``)."""
     path = _file(cache_dir)
-    table = {}
-    if path.is_file():
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
+    table = json.loads(json.dumps(_read_table(path)))  # a copy to change
     entry = found.to_dict()
     entry["measured"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     table.setdefault(machine_key(), {})[_pair_key(translator, target)] = entry
