@@ -49,6 +49,7 @@ def test_masked_blocks_skip_the_keys_their_queries_cannot_see(additive, monkeypa
     the keys up to its own; blocks read only the keys up to their last query's
     (fewer scores), and the result is mlx's."""
     monkeypatch.setattr(cpu_math, "MASKED_BLOCK", 4)
+    monkeypatch.setattr(cpu_math, "MASKED_SCORES", 4 * 6 * 64)  # 4 queries of 6 heads
     S = 64
     positions = mx.array([3, 5, 6, 17, 18, 30, 41, 42, 43, 60, 61, 62, 63])
     allowed = mx.arange(S)[None] <= positions[:, None]
@@ -61,6 +62,11 @@ def test_masked_blocks_skip_the_keys_their_queries_cannot_see(additive, monkeypa
     out = cpu_math.attention(q, k, v, 0.25, mask)
     _close(out, ref, 1e-5, f"additive={additive}")
     assert widths == [18, 43, 63, 64]  # blocks of 4 queries: up to 17, 42, 62, 63
+    # Where the scores fit, the queries go in one block: one round trip to numpy.
+    monkeypatch.setattr(cpu_math, "MASKED_SCORES", 13 * 6 * 64)
+    widths.clear()
+    _close(cpu_math.attention(q, k, v, 0.25, mask), ref, 1e-5, "one block")
+    assert widths == [64]
 
 
 def test_activations_and_log_softmax_equal_mlx():
