@@ -255,9 +255,24 @@ def test_fact_like_words_rank_above_ordinary_ones():
     offsets = CharTokenizer.offsets(TEXT)
     words = ["".join(TEXT[offsets[i][0]:offsets[i][1]] for i in pos)
              for _, pos in salient_words(TEXT, offsets)]
-    assert words[0] == "parse_cfg_v2"  # an identifier with digits
+    assert words[0] == "58213"  # a long number, then an identifier with digits
+    assert words[1] == "parse_cfg_v2"
     assert set(words[:4]) == {"parse_cfg_v2", "58213", "Pomini", "Gufifari"}
     assert "It" not in words and "Then" not in words  # capitals that start sentences
+
+
+def test_a_long_number_ranks_above_a_class_name_and_a_short_number():
+    """In API documentation the class names are fact-like too; a number of four or
+    more digits, which a model cannot guess at all, still comes first."""
+    from mlx_kvlingo.switching.recompute import salient_words
+
+    text = ("Raises CalledProcessError when the exit code is 2 or 3. The storage locker "
+            "is 743293. See TimeoutExpired for the rest.")
+    offsets = CharTokenizer.offsets(text)
+    words = ["".join(text[offsets[i][0]:offsets[i][1]] for i in pos)
+             for _, pos in salient_words(text, offsets)]
+    assert words[0] == "743293"
+    assert words.index("CalledProcessError") < words.index("2")
 
 
 def test_the_items_of_a_list_rank_above_ordinary_words():
