@@ -109,36 +109,6 @@ def test_question_scores_are_the_targets_attention_over_the_context(arch):
     assert all(c.offset == 25 for c in cache)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_a_one_shot_switch_probes_with_the_contexts_last_token_alone(arch, monkeypatch):
-    """The probe of a one-shot switch reads the last token on a copy of the cache
-    with the native tail translated too: on an exact translation its scores are
-    the model's own attention from the last token over every position before it
-    (gemma3_text: sliding windows of 8, so the copy's windows move on), and the
-    result still leaves the tail to the first pass."""
-    import mlx_kvlingo.switching.choice as choice
-
-    m = tiny_model(arch)
-    t = identity_translator(m)
-    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
-    ids = mx.random.randint(0, 97, (40,), key=mx.random.key(7)).tolist()
-    seen = []
-
-    def recorded(model, cache, tokens, start, lo=1, history=None):
-        scores = question_scores(model, cache, tokens, start, lo, history)
-        seen.append((start, [c.offset for c in cache], scores))
-        return scores
-
-    monkeypatch.setattr(choice, "question_scores", recorded)
-    result = switch(m, m, t, ids)
-    (start, offsets, scores), = seen
-    assert start == len(ids) - 1 and set(offsets) == {len(ids) - 1}
-    _, weights = attention_weights(m, mx.array([ids]), per_head=True)
-    want = sum(np.array(w[0, :, -1, 1:start].max(axis=0)) for w in weights)
-    assert np.abs(scores - want).max() < 1e-3
-    assert result.prompt.size == 6 and all(c.offset == len(ids) - 6 for c in result._cache)
-
-
 def test_question_spans_take_the_best_positions_with_neighbours_within_the_budget():
     scores = np.zeros(100, np.float32)
     scores[40], scores[70], scores[10] = 3.0, 2.0, 1.0  # positions lo + i, lo = 1

@@ -26,6 +26,7 @@ from .choice import (  # noqa: F401  (LEXICAL_SHARE, SELECTIONS: re-exported)
     RecomputePlan,
     resolve_select,
 )
+from .query import MIN_QUESTION
 from .recompute import Span, recompute_and_read, recompute_spans, token_offsets
 
 
@@ -341,8 +342,8 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
             budget: RecomputeBudget, select: str, text, early=None) -> SwitchResult:
     """The switch every entry point makes: translate all but the last m + 1
     positions, then choose what the target recomputes (switching.choice), left for
-    its first pass. The question's probe reads the context's last token
-    (:func:`_probe_cache`)."""
+    its first pass. The question is the context's last tokens: the pending ones, at
+    least the last MIN_QUESTION."""
     ids = tokens[0].tolist()
     n, lo = len(ids), max(translator.spec.native_prefix, 1)
     end = _translated_end(n, m)
@@ -350,35 +351,18 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
                             early=early, history=plan.history())
     result.target = target
-    if plan.by_question and plan.count:
-        probed = _probe_cache(source, target, translator, source_cache, alignment, tokens,
-                              result._cache, end)
-        spans = plan.choose(target, probed, ids, n - 1, result.history)
-    else:
-        spans = plan.lexical
+    start = min(end, max(n - MIN_QUESTION, lo + 1))
+    # The question is read again after the recompute, in its pass: keeping the
+    # probe's reading of the tail and reading only the last token again saved 0.04
+    # of a re-prefill's time and lost a fifth of the plain-word facts (Gemma 3 ->
+    # SmolLM2, ~550 tokens, 82 positions: 0.50 against 0.65 of 48). The probe reads
+    # the tail natively too: the last token alone, on the tail translated, cost
+    # half as much and chose the answer's tokens as often, but its choice answered
+    # fewer relations (Gemma 3 -> SmolLM2, ~1,100 tokens: 4 of 8 against 6 of 8;
+    # plain-word facts 0.44 against 0.50 of 48).
+    spans = plan.choose(target, result._cache, ids, start, result.history)
     result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
     return _defer(result, spans, ids, text)
-
-
-def _probe_cache(source, target, translator, source_cache, alignment, tokens, cache: List,
-                 end: int) -> List:
-    """The cache the question's probe reads: ``cache`` (positions ..end-1), and on a
-    copy of it the native tail's positions end..n-2 translated too, so that the
-    probe reads the context's last token alone. The last token's attention is what
-    scores the context (switching.query); reading the whole tail on the translated
-    cache chose as well on 48 plain-word facts each way (~550 tokens: the answer in
-    the chosen spans 40 / 46 times against 41 / 46 for the last token alone) and
-    cost twice as much (one pass over 17 tokens instead of 1). The tail is still
-    read natively by the first pass, after the recompute: keeping the probe's
-    reading of it lost a fifth of the plain-word facts (Gemma 3 -> SmolLM2, ~550
-    tokens: 0.50 against 0.65 of 48)."""
-    n = tokens.shape[1]
-    if end >= n - 1:
-        return cache
-    probed = copy_cache(cache)
-    alignment = alignment.with_native_prefix(translator.spec.native_prefix)
-    return translate_into(source, target, translator, source_cache, probed, alignment,
-                          n - 1, tokens, room=1)
 
 
 def _translated_end(n: int, m: int) -> int:

@@ -1,10 +1,9 @@
 """Which positions to recompute: the ones the question reads.
 
-At a switch the target is about to read the question anyway: the turn's new
-messages in a conversation; in a one-shot switch, the context's last token (its
-native tail translated too, for the probe alone: switching.api._probe_cache). Read
-once on the translated cache, the question's queries show where in the context it
-looks for its answer; those positions (and a
+At a switch the target is about to read the question anyway: the pending tokens of
+a one-shot switch (its native tail and the context's last token), or the turn's
+new messages in a conversation. Read once on the translated cache, the question's
+queries show where in the context it looks for its answer; those positions (and a
 few neighbours on each side, the words that lead up to a fact and follow it) are
 recomputed natively, and the question is read again on the repaired cache, in the
 same pass as the recompute (:func:`~.recompute.recompute_and_read`). A fact in
@@ -12,7 +11,7 @@ plain words ("under the piano") looks like nothing to a word list; the question
 about it ("the key was hidden under the") attends to it.
 
 The reading is a probe: nothing is written to the cache. Its cost is one more pass
-of the target over the short question (over one token, in a one-shot switch). The score of a context position is, summed
+of the target over the short question. The score of a context position is, summed
 over the target's layers, the largest attention any head of the question's *last*
 token gives it: that token predicts the answer's first word, and a head that
 retrieves a fact puts its mass on the fact even when most heads look at the
@@ -38,6 +37,10 @@ from .recompute import Span, _by_position, _PassView, _roped_at, merge_spans
 BEFORE = 2
 AFTER = 2
 
+
+# A question shorter than this (a one-shot switch without a native tail reads only
+# the context's last token) is read with the context's tokens before it.
+MIN_QUESTION = 16
 
 
 def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start: int,
