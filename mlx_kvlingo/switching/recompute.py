@@ -296,7 +296,7 @@ _BULLET = re.compile(r"^[ \t]*(?:[-*\u2022]|\d+[.)])[ \t]+\S.*$", re.MULTILINE)
 # identifier: a model can guess much of "CalledProcessError" from its words, nothing of
 # "743293". Without it, in API documentation the class names took the fact-like words'
 # share of the budget and numbers stated once were lost (Gemma 3 -> SmolLM2, ~1,100
-# tokens: 4 of 12 numbers missed).
+# tokens, 96 positions: 6 of 12 numbers recalled, the re-prefill 10; with the rank 8).
 LONG_NUMBER = 4
 _FUNCTION_WORDS = frozenset("a an the and or of to in on at for with by from".split())
 _LIST_ITEM_SCORE = 3.0  # above a capitalised or a long word, below a rare name or a number
