@@ -5,7 +5,10 @@ about the detail. Scored for the large model after a switch (a `Session`
 catch-up: the paste and the small model's answer translated, the question read
 natively), the large model after a re-prefill of the same messages, and the small
 model answering itself; with the question turn's time to first token. Beside
-them, a one-shot switch of the same conversation (the small model's cache of the
+them, the two baselines every switch is measured against: the large model
+re-prefilling only the conversation's most recent tokens, as many as the switch's
+time to first token allows (the *equal-time truncation*), and the large model
+asked the question with nothing pasted (*no context*); and a one-shot switch of the same conversation (the small model's cache of the
 whole prompt switched with `switch`, as `mlx-kvlingo switch` does) for its time
 to first token and its answer.
 
@@ -28,14 +31,16 @@ from mlx_kvlingo.measure.bootstrap import mean_interval, paired_mean_difference
 from mlx_kvlingo.measure.recall import matches
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import load_shipped
-from mlx_kvlingo.switching.pipeline import run_switch
+from mlx_kvlingo.switching.pipeline import first_token_time, run_switch
+from mlx_lm import stream_generate
 
 PASTE = ("Here is a Python module I am working on:\n\n```python\n{code}\n```\n\n"
          "Summarise what it does in one sentence.")
 QUESTION = ("In the module I pasted, how does this line end? Reply with the missing word "
             "or value only.\n\n{cue}")
 SETTINGS = ("large after switch", "large after re-prefill", "small itself",
-            "large after one-shot switch")
+            "large after one-shot switch", "large, equal-time truncation", "large, no context")
+EQUAL_TIME, NO_CONTEXT = SETTINGS[4], SETTINGS[5]
 
 
 def main(argv=None):
@@ -81,7 +86,8 @@ def main(argv=None):
                 f.write(json.dumps(row) + "\n")
         print(f"  item {i + 1}/{len(items)} ({item.kind}, {row['context_tokens']} tokens): "
               + ", ".join(f"{s} {'+' if row[s]['right'] else '-'} "
-                          f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in SETTINGS), flush=True)
+                          f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in SETTINGS if s in row),
+              flush=True)
     report = summarise(rows)
     print(report["table"])
     if args.json:
@@ -114,6 +120,19 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
     out[SETTINGS[3]] = {"said": one_shot["switch_answer"],
                         "right": answered(one_shot["switch_answer"], item),
                         "ttft_s": one_shot["switch_ttft_s"]}
+    # Equal time: the re-prefill's cost is close to linear in its length here (a
+    # 1.5B's attention is ~5 % of its FLOPs at 2,000 tokens), so the most recent
+    # tokens a re-prefill reads in the switch's time are the prompt's length scaled
+    # by the two times' ratio (a little fewer than it could read: the baseline's
+    # own time is recorded beside it).
+    keep = max(1, round(len(prompt) * after_switch.ttft_s / reprefilled.ttft_s))
+    ttft, _, text = first_token_time(stream_generate(*models["large"], prompt[-keep:],
+                                                     max_tokens=20))
+    out[EQUAL_TIME] = {"said": text, "right": answered(text, item), "ttft_s": ttft,
+                       "tokens": keep}
+    blank = native.fresh().generate("large", question, max_tokens=20)
+    out[NO_CONTEXT] = {"said": blank.text, "right": answered(blank.text, item),
+                       "ttft_s": blank.ttft_s}
     return out
 
 
@@ -137,16 +156,25 @@ def summarise(rows) -> dict:
     out = {}
     kinds = sorted({r["kind"] for r in rows})
     for s in SETTINGS:
-        right = [float(r[s]["right"]) for r in rows]
+        have = [r for r in rows if s in r]  # a checkpoint from before a setting existed
+        if not have:
+            continue
+        right = [float(r[s]["right"]) for r in have]
         ci = mean_interval(right)
         lo, hi = ci.low, ci.high
-        ttft = statistics.median(r[s]["ttft_s"] for r in rows)
-        by_kind = [sum(r[s]["right"] for r in rows if r["kind"] == k) for k in kinds]
-        n_kind = [sum(r["kind"] == k for r in rows) for k in kinds]
-        out[s] = {"right": sum(right) / len(right), "ci": [lo, hi], "ttft_s": ttft}
+        ttft = statistics.median(r[s]["ttft_s"] for r in have)
+        by_kind = [sum(r[s]["right"] for r in have if r["kind"] == k) for k in kinds]
+        n_kind = [sum(r["kind"] == k for r in have) for k in kinds]
+        out[s] = {"right": sum(right) / len(right), "ci": [lo, hi], "ttft_s": ttft,
+                  "n": len(have)}
         lines.append(f"| {s} | {sum(right) / len(right):.2f} [{lo:.2f}, {hi:.2f}] | "
                      + " | ".join(f"{a}/{b}" for a, b in zip(by_kind, n_kind))
                      + f" | {ttft * 1e3:.0f} ms |")
+    if EQUAL_TIME in out:
+        kept = [r[EQUAL_TIME]["tokens"] for r in rows if EQUAL_TIME in r]
+        out[EQUAL_TIME]["tokens"] = statistics.median(kept)
+        lines.append(f"\nequal-time truncation: the last {statistics.median(kept):.0f} tokens "
+                     "(median)")
     diff = paired_mean_difference([float(r[SETTINGS[1]]["right"]) for r in rows],
                                   [float(r[SETTINGS[0]]["right"]) for r in rows])
     out["switch - re-prefill"] = [diff.value, diff.low, diff.high]
