@@ -7,6 +7,11 @@ N context tokens, N timed in the same run to take as long as the switch).
     python benchmarks/cbr_defaults.py --source smollm2 --target gemma3 \
         --corpus fortunes --context 512 --windows 48 --json out.json
 
+``--variant tail=48,recompute=0.15,max=96`` (repeatable) adds a switch with other
+settings than the file's (native tail, recompute share, its cap), scored on the same
+windows and timed in the same rounds, each against its own equal-time truncation:
+how the switch's time is best split between the tail and the recompute.
+
 Windows: ``--context`` target tokens of the corpus (the whole corpus: fortunes are
 quotations, verse and dialogue that no shipped file read) followed by
 ``--continuation`` tokens, scored from the second (no context has nothing to predict
@@ -21,6 +26,7 @@ import json
 import random
 import sys
 import time
+from typing import Tuple
 from pathlib import Path
 
 import mlx.core as mx
@@ -73,8 +79,26 @@ def read_after(target, cache, prompt, continuation) -> np.ndarray:
     return nll(logits, continuation)
 
 
-def score_window(src, stok, tgt, ttok, translator, text, continuation, truncations):
-    """NLL per continuation token for each setting on one window."""
+DEFAULTS = "switch (file defaults)"
+
+
+def parse_variant(text: str) -> Tuple[str, dict]:
+    """``tail=48,recompute=0.15,max=96`` -> (its row's name, switch_text keywords)."""
+    names = {"tail": ("native_tail", int), "recompute": ("recompute", float),
+             "max": ("recompute_max", int)}
+    kw = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in names:
+            raise SystemExit(f"--variant takes {', '.join(names)}, not {key!r}")
+        kw[names[key][0]] = names[key][1](value)
+    return f"switch ({text})", kw
+
+
+def score_window(src, stok, tgt, ttok, translator, text, continuation, truncations,
+                 variants=None):
+    """NLL per continuation token for each setting on one window (``variants``: name
+    -> switch_text keywords, beside the file's defaults)."""
     ids = tokenize_with_offsets(ttok, text)[0]
     bos = getattr(ttok, "bos_token_id", None)
     source_tokens = tokenize_with_offsets(stok, text)
@@ -87,8 +111,9 @@ def score_window(src, stok, tgt, ttok, translator, text, continuation, truncatio
     specials = ids[:1] if bos is not None and ids[0] == bos else []
     out["no context"] = np.concatenate([[np.nan], read_after(
         tgt, None, specials + continuation[:1], continuation[1:])])
-    for label, kw in (("switch (file defaults)", {}),
-                      ("translation alone", {"native_tail": 0, "recompute": 0.0})):
+    switches = {DEFAULTS: {}, **(variants or {}),
+                "translation alone": {"native_tail": 0, "recompute": 0.0}}
+    for label, kw in switches.items():
         result = switch_text(src, stok, tgt, ttok, translator, text, source_cache=source_cache,
                              source_tokens=source_tokens, **kw)
         logits = result.read(tgt, extra=continuation[:-1], keep=len(continuation))[0]
@@ -100,27 +125,30 @@ def score_window(src, stok, tgt, ttok, translator, text, continuation, truncatio
     return {k: v[1:] for k, v in out.items()}
 
 
-def switch_seconds(src, stok, tgt, ttok, translator, text, rounds: int):
-    """Median seconds of the switch with the file's defaults (to its first token) and
-    of re-prefilling the last n context tokens, for n in FIXED and all of them."""
+def switch_seconds(src, stok, tgt, ttok, translator, text, rounds: int, variants=None):
+    """Median seconds of the switch with the file's defaults (to its first token), of
+    each of ``variants`` (name -> switch_text keywords), and of re-prefilling the last
+    n context tokens, for n in FIXED and all of them. Returns ({switch name: s},
+    {n: s})."""
     ids = tokenize_with_offsets(ttok, text)[0]
     bos = getattr(ttok, "bos_token_id", None)
     source_tokens = tokenize_with_offsets(stok, text)
     cache = prefill(src, mx.array(source_tokens[0])[None])
     mx.eval([(c.keys, c.values) for c in cache])
 
-    def switched():
+    def switched(**kw):
         first_step(tgt, switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
-                                    source_tokens=source_tokens))
+                                    source_tokens=source_tokens, **kw))
 
     def reprefill(n):
         kept = mx.array(truncated_ids(ids, n, bos))[None]
         mx.eval(last_logits(tgt, kept[:, -1:], prefill(tgt, kept[:, :-1])))
 
-    runs = {"switch": switched}
+    switches = {DEFAULTS: {}, **(variants or {})}
+    runs = {name: (lambda kw=kw: switched(**kw)) for name, kw in switches.items()}
     runs.update({n: (lambda n=n: reprefill(n)) for n in FIXED + (len(ids),)})
     med = interleaved_medians(runs, rounds)
-    return med.pop("switch"), med
+    return {name: med.pop(name) for name in switches}, med
 
 
 def cbr(rows, label) -> float:
@@ -150,24 +178,31 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="another switch, e.g. tail=48,recompute=0.15,max=96 (repeatable)")
     args = ap.parse_args(argv)
+    variants = dict(parse_variant(v) for v in args.variant)
     src, stok, tgt, ttok = load_pair(args.source, args.target)
     t = (load_shipped(args.source, args.target) if args.translator is None
          else load_translator(args.translator))
     items = windows(ttok, args.corpus, args.context, args.continuation, args.windows, args.seed)
-    switch_s, prefill_s = switch_seconds(src, stok, tgt, ttok, t, items[0][0], args.rounds)
-    n_eq = min(equal_time_tokens(prefill_s, switch_s), args.context - 1)
+    switch_s, prefill_s = switch_seconds(src, stok, tgt, ttok, t, items[0][0], args.rounds,
+                                         variants)
     full = prefill_s[max(prefill_s)]
-    print(f"switch {switch_s * 1e3:.0f} ms = {switch_s / full:.2f} of the re-prefill's "
-          f"{full * 1e3:.0f} ms; equal time: the last {n_eq} tokens", flush=True)
-    truncations = sorted(set(FIXED + (n_eq,)))
+    n_eq = {name: min(equal_time_tokens(prefill_s, sec), args.context - 1)
+            for name, sec in switch_s.items()}
+    for name, sec in switch_s.items():
+        print(f"{name}: {sec * 1e3:.0f} ms = {sec / full:.2f} of the re-prefill's "
+              f"{full * 1e3:.0f} ms; equal time: the last {n_eq[name]} tokens", flush=True)
+    truncations = sorted(set(FIXED + tuple(n_eq.values())))
     rows = []
     t0 = time.perf_counter()
     for i, (text, continuation) in enumerate(items):
-        rows.append(score_window(src, stok, tgt, ttok, t, text, continuation, truncations))
+        rows.append(score_window(src, stok, tgt, ttok, t, text, continuation, truncations,
+                                 variants))
         print(f"  window {i + 1}/{len(items)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     labels = [k for k in rows[0] if k not in ("re-prefill", "no context")]
-    eq = f"last {n_eq}"
+    equal = {f"last {n}" for n in n_eq.values()}
     table = {}
     print(f"\n{args.source} -> {args.target}, {args.corpus}, {args.context} context tokens, "
           f"{len(rows)} windows\n\n| setting | CBR | 95% CI | NLL/token |\n|---|---|---|---|")
@@ -175,20 +210,28 @@ def main(argv=None):
         value = cbr(rows, label)
         ci = resampled(rows, label) if label not in ("re-prefill", "no context") else None
         nll_mean = float(np.mean(np.concatenate([r[label] for r in rows])))
-        name = label + (" (equal time)" if label == eq else "")
+        name = label + (" (equal time)" if label in equal else "")
         table[name] = {"cbr": value, "ci": ci, "nll": nll_mean}
         ci_text = f"[{ci[0]:.1%}, {ci[1]:.1%}]" if ci else ""
         print(f"| {name} | {value:.1%} | {ci_text} | {nll_mean:.3f} |")
-    diff = cbr(rows, "switch (file defaults)") - cbr(rows, eq)
-    diff_ci = resampled(rows, "switch (file defaults)", eq)
-    print(f"\nswitch - equal time, paired: {diff:+.1%} [{diff_ci[0]:+.1%}, {diff_ci[1]:+.1%}]")
+    versus = {}
+    for name in switch_s:
+        eq = f"last {n_eq[name]}"
+        diff = cbr(rows, name) - cbr(rows, eq)
+        diff_ci = resampled(rows, name, eq)
+        versus[name] = {"share_of_reprefill": switch_s[name] / full,
+                        "equal_time_tokens": n_eq[name], "minus_equal_time": [diff] + diff_ci}
+        print(f"{name} ({switch_s[name] / full:.2f} of the re-prefill) - {eq}, paired: "
+              f"{diff:+.1%} [{diff_ci[0]:+.1%}, {diff_ci[1]:+.1%}]")
     if args.json:
         args.json.write_text(json.dumps({
             "environment": environment(), "command": " ".join(sys.argv),
             "args": {k: str(v) for k, v in vars(args).items()},
-            "switch_s": switch_s, "prefill_s": {str(k): v for k, v in prefill_s.items()},
-            "switch_share_of_reprefill": switch_s / full, "equal_time_tokens": n_eq,
-            "table": table, "switch_minus_equal_time": [diff] + diff_ci}, indent=1))
+            "switch_s": switch_s[DEFAULTS], "prefill_s": {str(k): v for k, v in prefill_s.items()},
+            "switch_share_of_reprefill": switch_s[DEFAULTS] / full,
+            "equal_time_tokens": n_eq[DEFAULTS], "table": table,
+            "switch_minus_equal_time": versus[DEFAULTS]["minus_equal_time"],
+            "switches": versus}, indent=1))
         print(f"Wrote {args.json}")
 
 
