@@ -26,8 +26,8 @@ import json
 import random
 import sys
 import time
-from typing import Tuple
 from pathlib import Path
+from typing import Tuple
 
 import mlx.core as mx
 import numpy as np
