@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 import mlx.core as mx
-from session_code import PASTE, QUESTION, _load, answered  # this folder's
+from session_code import PASTE, QUESTION, answered, checkpointed  # this folder's
 
 from mlx_kvlingo import Session
 from mlx_kvlingo.data.recall import heldout_code_filler, recall_items
@@ -54,21 +54,14 @@ def main(argv=None):
                          lambda text: len(tok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed, code_filler=heldout_code_filler())
     checkpoint = args.json.with_suffix(".items.jsonl") if args.json else None
-    done = _load(checkpoint)
-    rows = []
-    for i, item in enumerate(items):
-        key = f"{args.seed}:{i}:{item.kind}:{item.answer}"
-        if key not in done:
-            done[key] = run_item(chats.fresh(), small, large, large_tok, translator, item,
-                                 tails, args.small_answer)
-            done[key]["key"] = key
-            if checkpoint is not None:
-                with open(checkpoint, "a") as f:
-                    f.write(json.dumps(done[key]) + "\n")
-            print(f"  item {i + 1}/{len(items)} ({item.kind}): " + ", ".join(
-                f"tail {m} {'+' if done[key][str(m)]['right'] else '-'} "
-                f"{done[key][str(m)]['ttft_s'] * 1e3:.0f} ms" for m in tails), flush=True)
-        rows.append(done[key])
+
+    def show(i, item, row):
+        print(f"  item {i + 1}/{len(items)} ({item.kind}): " + ", ".join(
+            f"tail {m} {'+' if row[str(m)]['right'] else '-'} "
+            f"{row[str(m)]['ttft_s'] * 1e3:.0f} ms" for m in tails), flush=True)
+
+    rows = checkpointed(items, args.seed, checkpoint, show, lambda item: run_item(
+        chats.fresh(), small, large, large_tok, translator, item, tails, args.small_answer))
     report = summarise(rows, tails)
     print(report["table"])
     if args.json:

@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Optional
 
 from mlx_kvlingo import Session
 from mlx_kvlingo.data.recall import PLAIN_KINDS, heldout_code_filler, recall_items
@@ -70,30 +71,40 @@ def main(argv=None):
                          lambda text: len(tok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed, code_filler=heldout_code_filler())
     checkpoint = args.json.with_suffix(".items.jsonl") if args.json else None
-    done = _load(checkpoint)
-    rows = []
-    for i, item in enumerate(items):
-        key = f"{args.seed}:{i}:{item.kind}:{item.answer}"
-        if key in done:
-            rows.append(done[key])
-            continue
-        row = run_item(switching.fresh(), native.fresh(), item, args.small_answer,
-                       models, translators[("small", "large")])
-        row["key"] = key
-        rows.append(row)
-        if checkpoint is not None:
-            with open(checkpoint, "a") as f:
-                f.write(json.dumps(row) + "\n")
+
+    def show(i, item, row):
         print(f"  item {i + 1}/{len(items)} ({item.kind}, {row['context_tokens']} tokens): "
               + ", ".join(f"{s} {'+' if row[s]['right'] else '-'} "
                           f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in SETTINGS if s in row),
               flush=True)
+
+    rows = checkpointed(items, args.seed, checkpoint, show, lambda item: run_item(
+        switching.fresh(), native.fresh(), item, args.small_answer, models,
+        translators[("small", "large")]))
     report = summarise(rows)
     print(report["table"])
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows, "summary": report}, indent=2))
         print(f"Wrote {args.json}")
+
+
+def checkpointed(items, seed: int, checkpoint: Optional[Path], show, run_one) -> list:
+    """Each item's row: from the checkpoint (JSON lines) when it holds the item, else
+    ``run_one(item)``, appended to it at once and shown with ``show(i, item, row)``,
+    so that an interrupted run loses at most the item it was on."""
+    done = _load(checkpoint)
+    rows = []
+    for i, item in enumerate(items):
+        key = f"{seed}:{i}:{item.kind}:{item.answer}"
+        if key not in done:
+            done[key] = {**run_one(item), "key": key}
+            if checkpoint is not None:
+                with open(checkpoint, "a") as f:
+                    f.write(json.dumps(done[key]) + "\n")
+            show(i, item, done[key])
+        rows.append(done[key])
+    return rows
 
 
 def run_item(switching: Session, native: Session, item, small_tokens: int, models,
