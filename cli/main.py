@@ -39,7 +39,7 @@ KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default the
                        "dequantized and cast to float32, which runs faster there).")
 
 
-CORPUS_HELP = ("'stdlib' (built in, offline), 'austen' or 'fortunes' (Debian's packages), "
+CORPUS_HELP = ("'stdlib' (built in, offline), 'austen', 'fortunes' or 'jargon' (Debian's packages), "
                "a .txt/.jsonl "
                "file or directory, or hf:OWNER/NAME (a hub dataset); mix with + "
                "(stdlib*2+austen: docstrings weighed twice).")

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from ..errors import KvlingoError
 from .fortunes import fortune_documents
+from .jargon import jargon_documents
 from .prose import austen_documents
 
 Document = Tuple[str, str]  # (name, text)
@@ -113,7 +114,9 @@ _DOC_CHARS = 4000  # plain text is grouped into documents of about this size
 def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     """Documents from ``spec``: ``stdlib`` (built in), ``austen`` (Jane Austen's
     novels, from Debian's registry; see prose.py), ``fortunes`` (quotations, verse and
-    dialogue, from Debian's registry; see fortunes.py), a ``.txt`` / ``.jsonl`` file, a
+    dialogue, from Debian's registry; see fortunes.py), ``jargon`` (the Jargon File's
+    definitions, anecdotes and folklore, from Debian's registry; see jargon.py), a
+    ``.txt`` / ``.jsonl`` file, a
     directory of them, or ``hf:OWNER/NAME`` (a dataset repo on the hub, fetched
     with huggingface-hub into its cache; honours ``HF_HUB_OFFLINE``). Join several
     with ``+`` for a mix (``stdlib+austen``); a mix samples its text by characters, so
@@ -133,6 +136,8 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
         return austen_documents()
     if spec == "fortunes":
         return fortune_documents()
+    if spec == "jargon":
+        return jargon_documents()
     if spec.startswith("hf:"):
         return _read_files(_hub_dataset_files(spec[3:]), tokenizer)
     path = Path(spec)
@@ -144,7 +149,7 @@ def read_corpus(spec: str, tokenizer=None) -> List[Document]:
     if path.is_file():
         return _read_files([path], tokenizer)
     raise KvlingoError(
-        f"Corpus {spec!r} is not 'stdlib', 'austen', 'fortunes', an existing file or "
+        f"Corpus {spec!r} is not 'stdlib', 'austen', 'fortunes', 'jargon', an existing file or "
         "directory, or hf:OWNER/NAME."
     )
 
