@@ -22,6 +22,7 @@ from .debian import deb_files, package_deb
 PACKAGE = "jargon-text"
 MEMBER = "./usr/share/doc/jargon-text/jargon.txt.gz"
 DOC_CHARS = 4000
+_BOX = set("│┌┐└┘├┤┬┴┼")
 _START = "Welcome to the Jargon File"  # its first heading after the table of contents
 
 
@@ -42,12 +43,13 @@ def body(text: str) -> str:
 
 
 def paragraphs(text: str) -> List[str]:
-    """Hard-wrapped, indented lines joined into paragraphs; rule lines dropped."""
+    """Hard-wrapped, indented lines joined into paragraphs; rules and the rows of
+    box-drawn tables dropped."""
     out, para = [], []
     for line in text.splitlines() + [""]:
         line = line.strip()
-        if line and set(line) <= set("═─-=*_ "):
-            line = ""  # a typographic rule, not text
+        if line and (set(line) <= set("═─-=*_ ") or set(line) & _BOX):
+            line = ""  # a typographic rule or a drawn table, not text
         if line:
             para.append(line)
         elif para:
