@@ -24,13 +24,17 @@ PAIRS = {"s2g": ("smollm2", "gemma3"), "g2s": ("gemma3", "smollm2")}
 
 def cbr_summary(path: Path):
     """(corpus, {"context C, native tail M": the switch's CBR with its interval and
-    the equal-time truncation's}) from one cbr_equal_time.py JSON: the layout of the
-    uncompressed files' evaluation (ship_translators.py)."""
+    the equal-time truncation's}) from one cbr_equal_time.py JSON (its first
+    translator: the file shipped): the layout of the uncompressed files' evaluation
+    (ship_translators.py)."""
     run = json.loads(path.read_text())
     args = run["args"]
     rows = run["rows"]
-    switch = next(r for label, r in rows.items() if label.startswith("switch"))
-    equal = next(r for label, r in rows.items() if label.endswith("(equal time)"))
+    label, switch = next((label, r) for label, r in rows.items() if label.startswith("switch"))
+    # the truncation timed against this switch (its label ends "equal time: last N)"),
+    # not another translator's of the same run
+    n = label.rsplit("last ", 1)[1].rstrip(")")
+    equal = rows.get(f"last {n} (equal time)") or rows[f"last {n}"]
     key = f"context {args['context']}, native tail {args['native_tail']}"
     return args["corpus"], {key: {"cbr": round(switch["cbr"], 4),
                                   "cbr_ci95": [round(x, 4) for x in switch["cbr_ci95"]],
