@@ -1,6 +1,7 @@
 """A coding chat escalates to the large model: a user pastes held-out Python code
 in which one detail is stated once (a plain word in a comment, a helper's name, a
-constant's value), the small model answers, then the user asks the large model
+constant's value; with ``--kinds prints``, a short function whose output must be
+worked out), the small model answers, then the user asks the large model
 about the detail. Scored for the large model after a switch (a `Session`
 catch-up: the paste and the small model's answer translated, the question read
 natively), the large model after a re-prefill of the same messages, and the small
@@ -22,11 +23,13 @@ import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Optional
 
 from mlx_kvlingo import Session
+from mlx_kvlingo.data.code_questions import stated as printed_output
 from mlx_kvlingo.data.recall import PLAIN_KINDS, heldout_code_filler, recall_items
 from mlx_kvlingo.measure.bootstrap import mean_interval, paired_mean_difference
 from mlx_kvlingo.measure.recall import matches
@@ -39,6 +42,9 @@ PASTE = ("Here is a Python module I am working on:\n\n```python\n{code}\n```\n\n
          "Summarise what it does in one sentence.")
 QUESTION = ("In the module I pasted, how does this line end? Reply with the missing word "
             "or value only.\n\n{cue}")
+# The ``prints`` kind: a function put into the module; what does calling it print?
+PRINTS_QUESTION = ("In the module I pasted, what does calling `{name}()` print? Reply with "
+                   "the printed output only.")
 SETTINGS = ("large after switch", "large after re-prefill", "small itself",
             "large after one-shot switch", "large, equal-time truncation", "large, no context")
 EQUAL_TIME, NO_CONTEXT = SETTINGS[4], SETTINGS[5]
@@ -50,7 +56,9 @@ def main(argv=None):
     p.add_argument("--large", default="qwen2.5-coder-1.5b")
     p.add_argument("--tokens", type=int, default=1000, help="pasted code, in tokens")
     p.add_argument("--items", type=int, default=24)
-    p.add_argument("--kinds", default="code,identifier,number")
+    p.add_argument("--kinds", default="code,identifier,number",
+                   help="recall kinds (data/recall.py); 'prints' asks what a function "
+                        "put into the module prints")
     p.add_argument("--small-answer", type=int, default=32, help="tokens of the small answer")
     p.add_argument("--select", default=None,
                    help="how the catch-up chooses what to recompute (default: the files')")
@@ -111,17 +119,19 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
              translator) -> dict:
     """One chat three ways, and the one-shot switch (see the module's docstring)."""
     paste = PASTE.format(code=item.context)
-    question = QUESTION.format(cue=item.cue.strip())
+    question = question_of(item)
+    limit = 40 if item.kind == "prints" else 20  # a printed list is longer than a word
     said = switching.generate("small", paste, max_tokens=small_tokens).text
     own = switching.branch(len(switching.messages))
-    after_switch = switching.generate("large", question, max_tokens=20)
-    itself = own.generate("small", question, max_tokens=20)
+    after_switch = switching.generate("large", question, max_tokens=limit)
+    itself = own.generate("small", question, max_tokens=limit)
     reprefilled = native.generate("large", [{"role": "user", "content": paste},
                                             {"role": "assistant", "content": said},
-                                            {"role": "user", "content": question}], max_tokens=20)
+                                            {"role": "user", "content": question}],
+                                  max_tokens=limit)
     prompt = list(switching.transcript_of("large").tokens[:after_switch.context_tokens])
     one_shot = run_switch(*models["small"], *models["large"], translator, prompt,
-                          max_tokens=20, compare=False)
+                          max_tokens=limit, compare=False)
     out = {"kind": item.kind, "answer": item.answer,
            "context_tokens": after_switch.context_tokens,
            "translated": after_switch.translated, "recomputed": after_switch.recomputed}
@@ -138,19 +148,30 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
     # own time is recorded beside it).
     keep = max(1, round(len(prompt) * after_switch.ttft_s / reprefilled.ttft_s))
     ttft, _, text = first_token_time(stream_generate(*models["large"], prompt[-keep:],
-                                                     max_tokens=20))
+                                                     max_tokens=limit))
     out[EQUAL_TIME] = {"said": text, "right": answered(text, item), "ttft_s": ttft,
                        "tokens": keep}
-    blank = native.fresh().generate("large", question, max_tokens=20)
+    blank = native.fresh().generate("large", question, max_tokens=limit)
     out[NO_CONTEXT] = {"said": blank.text, "right": answered(blank.text, item),
                        "ttft_s": blank.ttft_s}
     return out
 
 
+def question_of(item) -> str:
+    """The user's question about the pasted module: how a line ends, or what calling
+    the function put into it prints (``prints``)."""
+    if item.kind == "prints":
+        return PRINTS_QUESTION.format(name=re.search(r"(\w+)\(\)", item.cue).group(1))
+    return QUESTION.format(cue=item.cue.strip())
+
+
 def answered(said: str, item) -> bool:
     """A chat answer is right when it starts with the detail, after any quote or code
     mark (a plain word in any case; a name or number as written), or repeats the
-    line and goes on with it."""
+    line and goes on with it; a ``prints`` answer when its first line is the output
+    (:func:`data.code_questions.stated`)."""
+    if item.kind == "prints":
+        return printed_output(said, item.answer)
     said = said.strip().lstrip("`\"'*# ")
     cue = item.cue.strip().lstrip("#\"' ").rstrip()
     if said.lower().startswith(cue.lower()):

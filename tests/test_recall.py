@@ -1,6 +1,8 @@
 """Long-range recall items and their scoring (data.recall, measure.recall)."""
 
 
+import contextlib
+import io
 import re
 
 import pytest
@@ -188,6 +190,34 @@ def test_the_default_kinds_keep_their_items():
     items = recall_items(FILLER, 8, 300, words, seed=3)
     assert "more" not in items[0].to_dict()
     assert items == recall_items(FILLER, 8, 300, words, kinds="facts", seed=3)
+
+
+def test_a_prints_item_holds_a_function_whose_output_is_the_answer():
+    """The ``prints`` kind: a generated function put into code between two
+    statements, indented as its neighbour; running the module's function gives the
+    answer, and only its body (read once) says what it prints."""
+    items = recall_items(FILLER, 9, 300, words, kinds="prints", seed=1, code_filler=CODE)
+    assert {i.kind for i in items} == {"prints"}
+    assert len({i.template for i in items}) == len(TEMPLATES["prints"])
+    for item in items:
+        start, end = item.fact
+        body = item.context[start:end]
+        name = re.search(r"def (\w+)\(\):", body).group(1)
+        assert name in item.cue and item.context.count(f"def {name}(") == 1
+        assert words(item.prompt) <= 300
+        indent = re.match(r"[ \t]*", body).group()
+        namespace = {}
+        exec("\n".join(line[len(indent):] for line in body.split("\n")), namespace)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            namespace[name]()
+        assert " " + out.getvalue().rstrip("\n") == item.answer
+        after = item.context[end:].lstrip("\n")
+        assert re.match(r"[ \t]*", after).group() == indent  # as the line it goes before
+    depths = [i.depth for i in items]
+    assert min(depths) < 0.3 and max(depths) > 0.3
+    # In no group: asked for by name only.
+    assert all("prints" not in kinds for kinds in KIND_GROUPS.values())
 
 
 def test_bad_requests_are_refused():

@@ -143,3 +143,23 @@ def answered(said: str, answer: str) -> bool:
         if c.lower().startswith("output:"):
             candidates.add(c[len("output:"):].strip())
     return answer.strip() in candidates
+
+
+def stated(said: str, answer: str) -> bool:
+    """A chat reply gives the printed output: as :func:`answered` accepts it, or as
+    the first fenced block, or at the end of the first line after "is", "prints" or
+    a colon (``The output of `f()` is `'ember'`.``), quotes, backticks and a final
+    period dropped. For replies in a conversation, which say what they answer."""
+    if answered(said, answer):
+        return True
+    text = said.strip()
+    candidates = [block.strip() for block in re.findall(r"```[a-z]*\n?(.*?)```", text, re.S)[:1]]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines:
+        candidates.append(re.split(r"\b(?:is|prints|outputs)\b|:", lines[0])[-1])
+    want = answer.strip()
+    for c in candidates:
+        c = c.strip().strip("`'\" ")
+        if want in (c, c.rstrip(".").strip("`'\" ")):
+            return True
+    return False

@@ -29,11 +29,16 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import KvlingoError
+from .code_questions import KINDS as PROGRAMS
+from .code_questions import printed
 from .corpus import split_documents, stdlib_documents, stdlib_sources
 from .prose import austen_documents
 
 KINDS = ("number", "name", "identifier", "list")  # facts that look like facts
 PLAIN_KINDS = ("place", "relation", "yesno", "combined", "definition", "code")
+# A function pasted into code that prints something: what does calling it print?
+# In no group (asked for by name), so the groups' items stay as they were.
+PROGRAM_KINDS = ("prints",)
 # Names that stand for several kinds (``--kinds plain``).
 KIND_GROUPS: Dict[str, Tuple[str, ...]] = {
     "facts": KINDS, "plain": PLAIN_KINDS, "all": KINDS + PLAIN_KINDS}
@@ -307,6 +312,9 @@ def _mentions(text: str, word: str) -> bool:
 
 
 TEMPLATES.update({k: [(" ".join(f), c) for f, c, _ in v] for k, v in PLAIN_TEMPLATES.items()})
+# The "prints" kind's fact is a generated function (data.code_questions); {f} its name.
+TEMPLATES["prints"] = [("def {f}(): ...", "# Calling {f}() prints:"),
+                       ("def {f}(): ...", "# The output of {f}() is:")]
 
 
 # ---------------------------------------------------------------------------
@@ -331,7 +339,8 @@ def expand_kinds(kinds: Union[str, Sequence[str]]) -> List[str]:
     unknown = [k for k in out if k not in TEMPLATES]
     if unknown or not out:
         raise KvlingoError(f"Unknown recall kinds {unknown}; choose from "
-                           f"{', '.join(KINDS + PLAIN_KINDS)} or {', '.join(KIND_GROUPS)}.")
+                           f"{', '.join(KINDS + PLAIN_KINDS + PROGRAM_KINDS)} or "
+                           f"{', '.join(KIND_GROUPS)}.")
     return out
 
 
@@ -365,7 +374,7 @@ def recall_items(
     kinds = expand_kinds(kinds)
     text, chars_per_token = _joined(filler, count_tokens, context_tokens)
     code = None
-    if "code" in kinds:
+    if "code" in kinds or "prints" in kinds:
         code = _joined(code_filler if code_filler is not None else heldout_code_filler(),
                        count_tokens, context_tokens)
     rng = random.Random(seed)
@@ -375,6 +384,9 @@ def recall_items(
         kind = kinds[i % len(kinds)]
         depth = depths[(i // len(kinds)) % len(depths)]
         template = rng.randrange(len(TEMPLATES[kind]))
+        if kind == "prints":
+            items.append(_program_item(template, depth, code, context_tokens, count_tokens, rng))
+            continue
         if kind in PLAIN_TEMPLATES:
             yes = True
             if kind == "yesno":
@@ -446,6 +458,39 @@ def _plain_item(kind: str, template: int, depth: float, yes: bool,
         cut = context.rstrip().rfind(sep, 0, len(context) - 40)
         context = context[:cut].rstrip() + "\n\n"
     return RecallItem(context, cue, answer, kind, spans[0], template, tuple(spans[1:]))
+
+
+def _program_item(template: int, depth: float, source: Tuple[str, float],
+                  context_tokens: int, count_tokens: Callable[[str], int],
+                  rng: random.Random) -> RecallItem:
+    """A ``prints`` item: a short generated program (list indexing, string methods,
+    arithmetic, ...; :mod:`.code_questions`) made a function with an invented name
+    and put into held-out code at the first top-level line past ``depth``; the cue
+    asks what calling it prints, the answer is what it prints (found by running it).
+    Answering needs the function's body, read once, and a little reasoning."""
+    text, chars_per_token = source
+    program = PROGRAMS[rng.choice(sorted(PROGRAMS))](rng)
+    name = f"{_word(rng, (2, 3))}_{_word(rng, (1, 2))}"
+    fact = f"def {name}():\n" + "\n".join("    " + line for line in program.split("\n"))
+    cue = TEMPLATES["prints"][template][1].format(f=name)
+    answer = " " + printed(program)
+    window = _window(text, rng, int(context_tokens * chars_per_token))
+    room = context_tokens - count_tokens(fact + "\n\n" + cue) - 4
+    window = _trim(window.rstrip(), room, count_tokens, chars_per_token, "\n")
+    # A line after a blank one, between two statements or definitions: the function
+    # goes there indented as that line (a method or a nested function at times).
+    starts = [s for s in _line_starts(window)
+              if s == 0 or (window[s:].lstrip(" \t")[:1] not in ("", "\n")
+                            and window[max(0, s - 2):s] == "\n\n")]
+    at = next((s for s in starts if s >= depth * len(window)), starts[-1])
+    indent = re.match(r"[ \t]*", window[at:]).group()
+    fact = "\n".join(indent + line for line in fact.split("\n"))
+    context = window[:at] + fact + "\n\n" + window[at:].rstrip() + "\n\n"
+    span = (at, at + len(fact))
+    while count_tokens(context + cue) > context_tokens and len(context) > span[1] + 200:
+        cut = context.rstrip().rfind("\n", 0, len(context) - 40)
+        context = context[:cut].rstrip() + "\n\n"
+    return RecallItem(context, cue, answer, "prints", span, template)
 
 
 def _trim(text: str, tokens: int, count_tokens: Callable[[str], int], chars_per_token: float,
