@@ -36,6 +36,7 @@ from mlx_kvlingo.measure.recall import matches
 from mlx_kvlingo.models.load import load
 from mlx_kvlingo.pairs.shipped import load_shipped
 from mlx_kvlingo.switching.pipeline import first_token_time, run_switch
+from mlx_kvlingo.translator.maps import load_translator
 from mlx_lm import stream_generate
 
 PASTE = ("Here is a Python module I am working on:\n\n```python\n{code}\n```\n\n"
@@ -62,13 +63,20 @@ def main(argv=None):
     p.add_argument("--small-answer", type=int, default=32, help="tokens of the small answer")
     p.add_argument("--select", default=None,
                    help="how the catch-up chooses what to recompute (default: the files')")
+    p.add_argument("--translator", type=Path, default=None,
+                   help="the small -> large translator file (default: the shipped one)")
+    p.add_argument("--switch-only", action="store_true",
+                   help="only the large model after a Session switch: a cheap run to pair "
+                        "per chat with a full run of the same items (same --tokens, --kinds, "
+                        "--seed) that had another --translator")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
     small, tok = load(args.small)
     large, large_tok = load(args.large)
-    translators = {("small", "large"): load_shipped(args.small, args.large),
+    translators = {("small", "large"): (load_translator(args.translator) if args.translator
+                                        else load_shipped(args.small, args.large)),
                    ("large", "small"): load_shipped(args.large, args.small)}
     if args.select is not None:
         for t in translators.values():
@@ -88,7 +96,7 @@ def main(argv=None):
 
     rows = checkpointed(items, args.seed, checkpoint, show, lambda item: run_item(
         switching.fresh(), native.fresh(), item, args.small_answer, models,
-        translators[("small", "large")]))
+        translators[("small", "large")], args.switch_only))
     report = summarise(rows)
     print(report["table"])
     if args.json:
@@ -116,14 +124,21 @@ def checkpointed(items, seed: int, checkpoint: Optional[Path], show, run_one) ->
 
 
 def run_item(switching: Session, native: Session, item, small_tokens: int, models,
-             translator) -> dict:
-    """One chat three ways, and the one-shot switch (see the module's docstring)."""
+             translator, switch_only: bool = False) -> dict:
+    """One chat three ways, and the one-shot switch (see the module's docstring);
+    ``switch_only``: the large model after the Session's switch alone."""
     paste = PASTE.format(code=item.context)
     question = question_of(item)
     limit = 40 if item.kind == "prints" else 20  # a printed list is longer than a word
     said = switching.generate("small", paste, max_tokens=small_tokens).text
     own = switching.branch(len(switching.messages))
     after_switch = switching.generate("large", question, max_tokens=limit)
+    if switch_only:
+        return {"kind": item.kind, "answer": item.answer,
+                "context_tokens": after_switch.context_tokens,
+                "translated": after_switch.translated, "recomputed": after_switch.recomputed,
+                SETTINGS[0]: {"said": after_switch.text, "right": answered(after_switch.text, item),
+                              "ttft_s": after_switch.ttft_s}}
     itself = own.generate("small", question, max_tokens=limit)
     reprefilled = native.generate("large", [{"role": "user", "content": paste},
                                             {"role": "assistant", "content": said},
@@ -207,6 +222,9 @@ def summarise(rows) -> dict:
         out[EQUAL_TIME]["tokens"] = statistics.median(kept)
         lines.append(f"\nequal-time truncation: the last {statistics.median(kept):.0f} tokens "
                      "(median)")
+    if SETTINGS[1] not in out:  # a --switch-only run
+        out["table"] = "\n".join(lines)
+        return out
     diff = paired_mean_difference([float(r[SETTINGS[1]]["right"]) for r in rows],
                                   [float(r[SETTINGS[0]]["right"]) for r in rows])
     out["switch - re-prefill"] = [diff.value, diff.low, diff.high]

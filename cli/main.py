@@ -42,7 +42,8 @@ KEEP_QUANTIZED_HELP = ("Keep a quantized model quantized on the CPU (default the
 CORPUS_HELP = ("'stdlib' (built in, offline), 'austen', 'fortunes' or 'jargon' (Debian's packages), "
                "a .txt/.jsonl "
                "file or directory, or hf:OWNER/NAME (a hub dataset); mix with + "
-               "(stdlib*2+austen: docstrings weighed twice).")
+               "(stdlib*2+austen: docstrings weighed twice). Stage 2 only: "
+               "chats:FILE.jsonl, chat samples made by `chat-data`.")
 
 
 # ---------------------------------------------------------------------------
@@ -414,6 +415,41 @@ def train(
                   f"the log beside it (no plot: {plotting.INSTALL_HINT})")
         typer.echo(f"Done: {summary['steps']} steps in {summary['seconds']:.0f}s "
                    f"({summary['skipped']} skipped). Wrote {out}, {beside}.")
+
+    _run(go)
+
+
+@app.command("chat-data")
+def chat_data(
+    source: str = typer.Option(..., help="Model the chats start with: it answers the paste."),
+    target: str = typer.Option(..., help="Model the chats switch to: its answers to the "
+                               "questions are what stage 2 distils on."),
+    out: Path = typer.Option(..., help="JSON-lines file to write (appended to: a rerun "
+                             "goes on where it stopped)."),
+    count: int = typer.Option(64, help="Chats."),
+    lengths: str = typer.Option("500,1000", help="Pasted code, in tokens (in turn)."),
+    first_answer_tokens: int = typer.Option(32, help="Tokens of the source's answer."),
+    max_tokens: int = typer.Option(48, help="Tokens of the target's answer."),
+    seed: int = typer.Option(0),
+):
+    """Make stage-2 samples from coding chats: the standard library's own sources
+    pasted into a user turn, the source's answer, a question about the paste and the
+    target's answer, weighted toward what needs the paste. Train on them with
+    `train --stage 2 --corpus chats:OUT`. Both models must share a tokenizer."""
+    from mlx_kvlingo.data.code_chats import code_chats
+    from mlx_kvlingo.models.geometry import tokenizer_fingerprint
+    from mlx_kvlingo.train.chat_samples import build_chat_samples
+
+    def go():
+        _warn_if_slow_blas()
+        src, src_tok, tgt, tgt_tok = load_pair(source, target, log=typer.echo)
+        if tokenizer_fingerprint(src_tok) != tokenizer_fingerprint(tgt_tok):
+            raise KvlingoError("chat-data needs two models with one tokenizer.")
+        chats = code_chats(count, lambda text: len(tgt_tok.encode(text)),
+                           _int_list(lengths), seed)
+        n = build_chat_samples(src, src_tok, tgt, chats, out, first_answer_tokens,
+                               max_tokens, log=typer.echo)
+        typer.echo(f"{n} chat samples in {out}.")
 
     _run(go)
 

@@ -204,6 +204,10 @@ class Batch:
     # Never stored.
     native_keys: Optional[List[mx.array]] = None
     native_values: Optional[List[mx.array]] = None
+    # [B, L] weight of each continuation token in the loss (None: all alike). A chat
+    # sample weighs its answer's tokens by how much they need the distant context
+    # and its question's not at all (chat_samples.py).
+    weights: Optional[mx.array] = None
 
     @property
     def tokens(self) -> int:
@@ -329,7 +333,7 @@ def kl_loss(maps, target, batch: Batch):
     lse = cpu_math.logsumexp(logits)  # 262k entries for Gemma: numpy's exp on a CPU
     t = batch.teacher
     if batch.teacher_idx is None:
-        return (mx.exp(t) * (t - (logits - lse))).sum(-1).mean()
+        return _mean(batch, (mx.exp(t) * (t - (logits - lse))).sum(-1))
     s = mx.take_along_axis(logits, batch.teacher_idx, axis=-1) - lse
     p = mx.exp(t)
     kl = (p * (t - s)).sum(-1)
@@ -337,7 +341,15 @@ def kl_loss(maps, target, batch: Batch):
     p_tail = mx.maximum(1 - p.sum(-1), 0.0)
     q_tail = mx.maximum(1 - mx.exp(s).sum(-1), eps)
     kl = kl + p_tail * (mx.log(p_tail + eps) - mx.log(q_tail))
-    return kl.mean()
+    return _mean(batch, kl)
+
+
+def _mean(batch: Batch, kl: mx.array) -> mx.array:
+    """The per-token KL [B, L] averaged over tokens, by the batch's weights if any."""
+    if batch.weights is None:
+        return kl.mean()
+    w = batch.weights.astype(kl.dtype)
+    return (kl * w).sum() / mx.maximum(w.sum(), 1e-6)
 
 
 # ---------------------------------------------------------------------------

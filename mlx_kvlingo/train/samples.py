@@ -1,6 +1,6 @@
 """Training and evaluation samples for a pair of models.
 
-Two kinds of pair, one interface (``step_batches``, ``heldout``, ``evaluate``):
+Three kinds of samples, one interface (``step_batches``, ``heldout``, ``evaluate``):
 
 - :class:`SharedTokens` — both models share a tokenizer: windows of one token
   stream, batched, position j of the target reads position j of the source.
@@ -8,13 +8,19 @@ Two kinds of pair, one interface (``step_batches``, ``heldout``, ``evaluate``):
   continuation are split at a space and tokenized separately by each model (so no
   translated position sees past the context), the target's tokens aligned to the
   source's by characters (``align.py``). One sample per micro-batch.
+- :class:`ChatSamples` — a shared tokenizer, whole chats (chat_samples.py): the
+  chat so far translated, the question and the target's own answer read by it,
+  the KL weighted per token. One sample per micro-batch.
 
 Sampling is a pure function of (seed, step), so a resumed training run draws the
 samples an uninterrupted one would have drawn.
 """
 
+import json
 import random
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import List, Sequence
 
 import mlx.core as mx
@@ -80,6 +86,56 @@ class SharedTokens:
             self.heldout_stream, context_len + continuation_len, count, random.Random(12345)
         )
         return [w[i : i + 8] for i in range(0, count, 8)]
+
+
+# ---------------------------------------------------------------------------
+# Chats (one tokenizer): the samples chat_samples.build_chat_samples writes
+
+
+def _heldout(index: int, every: int = 8) -> bool:
+    return zlib.crc32(str(index).encode()) % every == 0
+
+
+class ChatSamples(SharedTokens):
+    """Chat samples (:func:`build_chat_samples`), one per micro-batch, drawn from the
+    training chats by (seed, step); every 8th chat (by a hash of its index) is held
+    out. The held-out and training chats' tokens, end to end, are the token streams
+    the evaluation windows and the store's corpus digest read."""
+
+    def __init__(self, rows: List[dict]):
+        if not rows:
+            raise KvlingoError("No chat samples: build them first (mlx-kvlingo chat-data).")
+        self.train_rows = [r for r in rows if not _heldout(r["index"])]
+        self.heldout_rows = [r for r in rows if _heldout(r["index"])] or self.train_rows[-1:]
+
+        def stream(rs):
+            return [t for r in rs for t in r["context"] + r["continuation"]]
+
+        super().__init__(stream(self.train_rows), stream(self.heldout_rows))
+
+    @classmethod
+    def from_file(cls, path, source_tokenizer, target_tokenizer) -> "ChatSamples":
+        if tokenizer_fingerprint(source_tokenizer) != tokenizer_fingerprint(target_tokenizer):
+            raise KvlingoError("Chat samples need two models with one tokenizer.")
+        path = Path(path)
+        if not path.is_file():
+            raise KvlingoError(f"No chat samples at {path} (mlx-kvlingo chat-data makes them).")
+        return cls([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+    def micro_batches(self, config) -> int:
+        return config.distill.accumulate * config.distill.batch_size
+
+    def step_samples(self, config, step: int):
+        """(context [1, C], continuation [1, L], weights [1, L]) per micro-batch."""
+        rng = _step_rng(config.distill.seed, step)
+        rows = [rng.choice(self.train_rows) for _ in range(self.micro_batches(config))]
+        return [(mx.array(r["context"])[None], mx.array(r["continuation"])[None],
+                 mx.array(r["weights"], dtype=mx.float32)[None]) for r in rows]
+
+    def step_batches(self, source, target, translator, config, step: int,
+                     group=None, native: bool = False) -> List[Batch]:
+        return [replace(make_batch(source, target, translator, c, n, native), weights=w)
+                for c, n, w in distributed.share(self.step_samples(config, step), group)]
 
 
 # ---------------------------------------------------------------------------
@@ -218,7 +274,10 @@ def split_corpus(corpus: str, tokenizer):
 
 def pair_data(corpus: str, src_tok, tgt_tok):
     """Training/evaluation samples of a corpus for a pair of models: shared token
-    windows when the tokenizers agree, character-aligned text when they differ."""
+    windows when the tokenizers agree, character-aligned text when they differ;
+    ``chats:FILE.jsonl``: chat samples (chat_samples.py)."""
+    if corpus.startswith("chats:"):
+        return ChatSamples.from_file(corpus[len("chats:"):], src_tok, tgt_tok)
     train, heldout = split_corpus(corpus, tgt_tok)
     if tokenizer_fingerprint(src_tok) == tokenizer_fingerprint(tgt_tok):
         return SharedTokens(data.token_stream(src_tok, train), data.token_stream(src_tok, heldout))

@@ -146,6 +146,8 @@ class FeatureStore:
             arrays[p + "teacher"] = b.teacher.astype(self.dtype)
             if b.teacher_idx is not None:
                 arrays[p + "teacher_idx"] = b.teacher_idx.astype(mx.int32)
+            if b.weights is not None:
+                arrays[p + "weights"] = b.weights.astype(mx.float32)
             meta.append({"n_native": b.n_native, "source_layers": len(b.src_keys),
                          "prefix_layers": len(b.prefix)})
         save_safetensors_atomic(path, arrays, {"batches": json.dumps(meta)})
@@ -181,6 +183,7 @@ class FeatureStore:
             teacher=arrays[p + "teacher"].astype(mx.float32),
             n_native=m["n_native"],
             teacher_idx=arrays.get(p + "teacher_idx"),
+            weights=arrays.get(p + "weights"),
         )
 
 
