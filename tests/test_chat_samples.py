@@ -110,6 +110,11 @@ def test_chat_samples_hold_out_chats_and_draw_by_step(chat_pair, samples_file):
     config = RunConfig(distill=DistillConfig(batch_size=1, accumulate=3, seed=1))
     a, b = pair.step_samples(config, 5), pair.step_samples(config, 5)
     assert len(a) == 3 and all(mx.array_equal(x[0], y[0]) for x, y in zip(a, b))
+    # An epoch's steps hold every training chat once.
+    n = len(pair.train_rows)
+    epoch = [c[0].tolist() for step in range(n) for c in pair.step_samples(
+        RunConfig(distill=DistillConfig(batch_size=1, accumulate=1, seed=1)), step)]
+    assert sorted(epoch) == sorted([[r["context"]] for r in pair.train_rows])
     t = identity_translator(tgt, ttok)
     for batch in pair.step_batches(tgt, tgt, t, config, 5):  # the identity: tgt to tgt
         assert batch.weights.shape == batch.continuation.shape

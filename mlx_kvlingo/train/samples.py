@@ -97,8 +97,8 @@ def _heldout(index: int, every: int = 8) -> bool:
 
 
 class ChatSamples(SharedTokens):
-    """Chat samples (:func:`build_chat_samples`), one per micro-batch, drawn from the
-    training chats by (seed, step); every 8th chat (by a hash of its index) is held
+    """Chat samples (``chat_samples.build_chat_samples``), one per micro-batch, drawn
+    from the training chats by (seed, step); every 8th chat (by a hash of its index) is held
     out. The held-out and training chats' tokens, end to end, are the token streams
     the evaluation windows and the store's corpus digest read."""
 
@@ -126,9 +126,16 @@ class ChatSamples(SharedTokens):
         return config.distill.accumulate * config.distill.batch_size
 
     def step_samples(self, config, step: int):
-        """(context [1, C], continuation [1, L], weights [1, L]) per micro-batch."""
-        rng = _step_rng(config.distill.seed, step)
-        rows = [rng.choice(self.train_rows) for _ in range(self.micro_batches(config))]
+        """(context [1, C], continuation [1, L], weights [1, L]) per micro-batch: the
+        training chats in a seeded order, a new one each epoch, so that a pool of
+        ``len(train_rows) / micro_batches`` steps holds each chat once."""
+        per, n = self.micro_batches(config), len(self.train_rows)
+        rows = []
+        for k in range(step * per, (step + 1) * per):
+            epoch, i = divmod(k, n)
+            order = list(range(n))
+            _step_rng(config.distill.seed, epoch).shuffle(order)
+            rows.append(self.train_rows[order[i]])
         return [(mx.array(r["context"])[None], mx.array(r["continuation"])[None],
                  mx.array(r["weights"], dtype=mx.float32)[None]) for r in rows]
 
