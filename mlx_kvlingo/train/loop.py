@@ -295,7 +295,9 @@ def train(
         return distiller.with_frozen_outputs(batches, frozen, v, store.dtype)
 
     eval_context = config.eval_context or max(config.context_lengths)
-    eval_items = pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)
+    # Drawn only for a run that evaluates (a small chat set may hold too few held-out tokens).
+    eval_items = (pair_data.heldout(eval_context, config.continuation_len, config.eval_windows)
+                  if config.eval_every else None)
 
     def evaluate() -> Fidelity:
         translators = [distiller.translator()]
