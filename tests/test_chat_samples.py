@@ -99,6 +99,17 @@ def test_a_rerun_of_the_build_goes_on_where_it_stopped(chat_pair, samples_file, 
     assert partial.read_text() == out.read_text()  # the same samples, none twice
 
 
+def test_a_model_without_a_chat_template_is_refused(toy_pair_dirs, tmp_path):
+    from mlx_kvlingo.models.load import load
+
+    m, tok = load(toy_pair_dirs[1])  # a fresh copy: no template
+    tok._tokenizer.chat_template = None
+    chats = code_chats(1, words, lengths=(60,), code=CODE)
+    with pytest.raises(KvlingoError, match="chat template"):
+        build_chat_samples(m, tok, m, chats, tmp_path / "c.jsonl")
+    assert not (tmp_path / "c.jsonl").exists()
+
+
 def test_chat_samples_hold_out_chats_and_draw_by_step(chat_pair, samples_file):
     src, stok, tgt, ttok = chat_pair
     out, _ = samples_file

@@ -68,6 +68,8 @@ def build_chat_samples(source, tokenizer, target, chats, out: Path,
     """Write one sample per chat (:class:`data.code_chats.CodeChat`) to ``out`` (JSON
     lines): the source answers the paste, the target the question. Chats already in
     ``out`` are skipped. Returns the number of samples in ``out``."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise KvlingoError("Chat samples need a chat model: this tokenizer has no chat template.")
     out = Path(out)
     done = {json.loads(line)["index"] for line in out.read_text().splitlines()
             if line.strip()} if out.exists() else set()
