@@ -54,8 +54,13 @@ def test_answer_weights_favour_tokens_that_need_the_paste():
 
 
 @pytest.fixture(scope="module")
-def chat_pair(toy_pair):
-    src, stok, tgt, ttok = toy_pair
+def chat_pair(toy_pair_dirs):
+    """The built-in pair with a chat template, loaded afresh (the session's own copy
+    of its tokenizers stays as it is for the other tests)."""
+    from mlx_kvlingo.models.load import load
+
+    src, stok = load(toy_pair_dirs[0])
+    tgt, ttok = load(toy_pair_dirs[1])
     for tok in (stok, ttok):
         tok._tokenizer.chat_template = TEMPLATE
     return src, stok, tgt, ttok
