@@ -465,7 +465,8 @@ def _program_item(template: int, depth: float, source: Tuple[str, float],
                   rng: random.Random) -> RecallItem:
     """A ``prints`` item: a short generated program (list indexing, string methods,
     arithmetic, ...; :mod:`.code_questions`) made a function with an invented name
-    and put into held-out code at the first top-level line past ``depth``; the cue
+    and put into held-out code before the first line past ``depth`` that follows a
+    blank line, indented as that line; the cue
     asks what calling it prints, the answer is what it prints (found by running it).
     Answering needs the function's body, read once, and a little reasoning."""
     text, chars_per_token = source
