@@ -369,7 +369,8 @@ def recall_items(
     :func:`expand_kinds`) and ``depths``; each item's filler is a run of ``filler``
     texts from a random start, the fact put in at the first sentence start past its
     depth. The ``code`` kind's filler is ``code_filler`` (default: held-out Python
-    sources, :func:`heldout_code_filler`), its fact put in at a line start.
+    sources, :func:`heldout_code_filler`), its fact put in at a line start; so is the
+    ``prints`` kind's (a generated function, before a line that follows a blank one).
     Deterministic in ``seed``."""
     kinds = expand_kinds(kinds)
     text, chars_per_token = _joined(filler, count_tokens, context_tokens)

@@ -30,6 +30,7 @@ from ..errors import KvlingoError
 
 
 def chat_ids(tokenizer, messages: List[dict], generation_prompt: bool) -> List[int]:
+    """The token ids of ``messages`` in the tokenizer's chat template."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                         tokenize=True)
     return list(ids)
