@@ -133,12 +133,12 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
     said = switching.generate("small", paste, max_tokens=small_tokens).text
     own = switching.branch(len(switching.messages))
     after_switch = switching.generate("large", question, max_tokens=limit)
+    out = {"kind": item.kind, "answer": item.answer,
+           "context_tokens": after_switch.context_tokens,
+           "translated": after_switch.translated, "recomputed": after_switch.recomputed}
+    out[SETTINGS[0]] = scored(after_switch.text, after_switch.ttft_s, item)
     if switch_only:
-        return {"kind": item.kind, "answer": item.answer,
-                "context_tokens": after_switch.context_tokens,
-                "translated": after_switch.translated, "recomputed": after_switch.recomputed,
-                SETTINGS[0]: {"said": after_switch.text, "right": answered(after_switch.text, item),
-                              "ttft_s": after_switch.ttft_s}}
+        return out
     itself = own.generate("small", question, max_tokens=limit)
     reprefilled = native.generate("large", [{"role": "user", "content": paste},
                                             {"role": "assistant", "content": said},
@@ -147,15 +147,9 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
     prompt = list(switching.transcript_of("large").tokens[:after_switch.context_tokens])
     one_shot = run_switch(*models["small"], *models["large"], translator, prompt,
                           max_tokens=limit, compare=False)
-    out = {"kind": item.kind, "answer": item.answer,
-           "context_tokens": after_switch.context_tokens,
-           "translated": after_switch.translated, "recomputed": after_switch.recomputed}
-    for name, r in zip(SETTINGS, (after_switch, reprefilled, itself)):
-        out[name] = {"said": r.text, "right": answered(r.text, item),
-                     "ttft_s": r.ttft_s}
-    out[SETTINGS[3]] = {"said": one_shot["switch_answer"],
-                        "right": answered(one_shot["switch_answer"], item),
-                        "ttft_s": one_shot["switch_ttft_s"]}
+    for name, r in zip(SETTINGS[1:3], (reprefilled, itself)):
+        out[name] = scored(r.text, r.ttft_s, item)
+    out[SETTINGS[3]] = scored(one_shot["switch_answer"], one_shot["switch_ttft_s"], item)
     # Equal time: the re-prefill's cost is close to linear in its length here (a
     # 1.5B's attention is ~5 % of its FLOPs at 2,000 tokens), so the most recent
     # tokens a re-prefill reads in the switch's time are the prompt's length scaled
@@ -164,12 +158,15 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
     keep = max(1, round(len(prompt) * after_switch.ttft_s / reprefilled.ttft_s))
     ttft, _, text = first_token_time(stream_generate(*models["large"], prompt[-keep:],
                                                      max_tokens=limit))
-    out[EQUAL_TIME] = {"said": text, "right": answered(text, item), "ttft_s": ttft,
-                       "tokens": keep}
+    out[EQUAL_TIME] = dict(scored(text, ttft, item), tokens=keep)
     blank = native.fresh().generate("large", question, max_tokens=limit)
-    out[NO_CONTEXT] = {"said": blank.text, "right": answered(blank.text, item),
-                       "ttft_s": blank.ttft_s}
+    out[NO_CONTEXT] = scored(blank.text, blank.ttft_s, item)
     return out
+
+
+def scored(said: str, ttft_s: float, item) -> dict:
+    """One setting's row: what the model said, whether it is right, its first token."""
+    return {"said": said, "right": answered(said, item), "ttft_s": ttft_s}
 
 
 def question_of(item) -> str:

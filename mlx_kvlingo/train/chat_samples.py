@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 
 from ..errors import KvlingoError
+from ..metrics import log_softmax, nll
 
 
 def chat_ids(tokenizer, messages: List[dict], generation_prompt: bool) -> List[int]:
@@ -56,11 +57,8 @@ def _greedy(model, tokenizer, prompt: List[int], max_tokens: int):
 
 def _nll(model, ids: List[int], start: int) -> List[float]:
     """The NLL of ``ids[start:]`` read teacher-forced after ``ids[:start]``."""
-    logits = model(mx.array(ids)[None]).astype(mx.float32)[0]
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    targets = mx.array(ids[start:])
-    picked = mx.take_along_axis(logp[start - 1 : len(ids) - 1], targets[:, None], axis=-1)
-    return [-float(x) for x in picked[:, 0].tolist()]
+    logprobs = log_softmax(model(mx.array(ids)[None])[0, start - 1 : len(ids) - 1])
+    return nll(logprobs, mx.array(ids[start:])).tolist()
 
 
 def build_chat_samples(source, tokenizer, target, chats, out: Path,
