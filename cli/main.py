@@ -337,7 +337,12 @@ def train(
         "that hold the loss)."),
     context_lengths: str = typer.Option("128,256", help="Context-length buckets, comma-separated."),
     continuation_len: int = typer.Option(64),
-    eval_every: int = typer.Option(50),
+    eval_every: int = typer.Option(50, help="Stage 2: steps between held-out evaluations "
+                                   "(0: none)."),
+    keep_best: bool = typer.Option(
+        False, "--keep-best", help="Stage 2, with --eval-every: end with the evaluated "
+        "translator of lowest held-out KL (the start included), not the last step's; each "
+        "new best is written to OUT.best.safetensors as the run goes."),
     checkpoint_every: int = typer.Option(
         50, help="Steps between checkpoints (0: only at the end and when stopped)."),
     seed: int = typer.Option(0),
@@ -394,7 +399,8 @@ def train(
                                   seed=seed, lr_scale=lr_scale, native_tail=native_tail,
                                   teacher_topk=teacher_topk, token_maps=token_maps),
             context_lengths=_int_list(context_lengths), continuation_len=continuation_len,
-            eval_every=eval_every, checkpoint_every=checkpoint_every, store_pool=store_pool,
+            eval_every=eval_every, keep_best=keep_best, checkpoint_every=checkpoint_every,
+            store_pool=store_pool,
             budget_s=parse_duration(budget) if budget else None, resume=resume,
             peer_timeout=peer_timeout)
         progress = TrainProgress(show_progress(quiet) and distributed.is_writer(group))
@@ -415,6 +421,10 @@ def train(
                   f"the log beside it (no plot: {plotting.INSTALL_HINT})")
         typer.echo(f"Done: {summary['steps']} steps in {summary['seconds']:.0f}s "
                    f"({summary['skipped']} skipped). Wrote {out}, {beside}.")
+        best = summary.get("best_eval")
+        if keep_best and best is not None:
+            typer.echo(f"Kept the translator of step {best['step']}: the lowest held-out KL "
+                       f"evaluated ({best['eval']['kl']:.4f}).")
 
     _run(go)
 

@@ -116,6 +116,50 @@ def test_resume_refuses_other_settings_or_no_checkpoint(tiny_pair, tmp_path):
         train(src, tgt, None, SharedTokens(stream, stream), out, _config(steps=4, checkpoint_every=1), resume=True)
 
 
+def test_keep_best_ends_with_the_lowest_heldout_kl_and_survives_a_resume(tiny_pair, tmp_path):
+    """An lr far too high makes every step worse on held-out windows: with
+    keep_best the run ends with its starting maps (the evaluation of step 0), and
+    an interrupted run resumes to the same choice."""
+    from mlx_kvlingo.errors import KvlingoError
+
+    src, tgt, t, stream = tiny_pair
+
+    def config(keep_best):
+        d = DistillConfig(steps=6, lr=0.5, batch_size=2, accumulate=2, seed=3)
+        return RunConfig(d, context_lengths=(16, 24), continuation_len=8, eval_every=2,
+                         checkpoint_every=2, eval_windows=4, keep_best=keep_best)
+
+    with pytest.raises(KvlingoError, match="eval-every"):
+        RunConfig(eval_every=0, keep_best=True)
+    last = tmp_path / "last.safetensors"
+    train(src, tgt, _fresh(t), SharedTokens(stream, stream), last, config(False))
+    out = tmp_path / "best.safetensors"
+    summary = train(src, tgt, _fresh(t), SharedTokens(stream, stream), out, config(True))
+    evals = [json.loads(l) for l in (tmp_path / "best.safetensors.log.jsonl").read_text()
+             .splitlines() if "eval" in l]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    best = min(evals, key=lambda r: r["eval"]["kl"])
+    assert summary["best_eval"]["step"] == best["step"] == 0, evals
+    start = [np.array(m.weight) for m in t.k_maps + t.v_maps]
+    for a, b in zip(start, _maps(out)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, _maps(last)))
+    assert load_translator(out).spec.training["distill"]["steps_done"] == 0
+
+    def interrupt(record):
+        if record.get("step") == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    again = tmp_path / "again.safetensors"
+    part = train(src, tgt, _fresh(t), SharedTokens(stream, stream), again, config(True),
+                 progress=interrupt)
+    assert part["stopped"]
+    rest = train(src, tgt, None, SharedTokens(stream, stream), again, config(True), resume=True)
+    assert rest["best_eval"]["step"] == 0
+    for a, b in zip(_maps(out), _maps(again)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_non_finite_loss_is_skipped_and_never_written(tiny_pair):
     src, tgt, t, stream = tiny_pair
     t = _fresh(t)

@@ -5,6 +5,9 @@ Files next to the translator ``OUT``:
 - ``OUT`` — the translator, written atomically at every checkpoint and at the end;
 - ``OUT.ckpt.safetensors`` — maps + optimizer state + run position, for ``resume``;
 - ``OUT.log.jsonl`` — one JSON object per step and per evaluation;
+- ``OUT.best.safetensors`` — in a run that evaluates, the translator of the evaluation
+  with the lowest held-out KL so far (the starting point included); with
+  ``keep_best`` it becomes ``OUT`` at the end (an early stop on held-out KL);
 - ``OUT.png`` — loss, KL and CBR curves (when matplotlib, the ``plot`` extra, is installed).
 
 Sampling is a pure function of (seed, step) (see samples.py), so a resumed run
@@ -17,6 +20,7 @@ and a checkpoint records how many ranks wrote it (a resume needs as many).
 
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from ..errors import KvlingoError
-from ..files import save_safetensors_atomic
+from ..files import save_safetensors_atomic, written_atomically
 from ..measure.evaluate import Fidelity, evaluate_pair
 from ..models.features import token_inputs
 from ..translator.maps import Translator, TranslatorSpec
@@ -49,6 +53,14 @@ class RunConfig:
     # >0: cache the frozen passes of this many steps on disk (store.py) and cycle
     # over them in epochs; 0: fresh samples at every step.
     store_pool: int = 0
+    # End with the evaluated translator of lowest held-out KL, not the last step's: a
+    # small training set (a few dozen chats) overfits before the steps run out.
+    keep_best: bool = False
+
+    def __post_init__(self):  # before any work, not after stage 1
+        if self.keep_best and not self.eval_every:
+            raise KvlingoError("Keeping the best translator needs held-out evaluations to "
+                               "choose from: set --eval-every (eval_every) above 0.")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -195,6 +207,7 @@ def _paths(out: Path):
         "log": out.with_name(out.name + ".log.jsonl"),
         "plot": out.with_name(out.name + ".png"),
         "store": out.with_name(out.name + ".store"),
+        "best": out.with_name(out.name + ".best.safetensors"),
     }
 
 
@@ -227,6 +240,30 @@ def _truncate_log(path: Path, step: int):
         return
     keep = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= step]
     path.write_text("".join(l + "\n" for l in keep))
+
+
+def _best_in_log(path: Path) -> Optional[dict]:
+    """The evaluation record of lowest held-out KL in a run's log (None: none)."""
+    if not path.exists():
+        return None
+    evals = [r for r in map(json.loads, filter(None, path.read_text().splitlines()))
+             if "eval" in r]
+    return min(evals, key=lambda r: r["eval"]["kl"], default=None)
+
+
+def _keep_if_best(paths, distiller: Distiller, config: RunConfig, record: dict,
+                  best: Optional[dict]) -> dict:
+    """Write the translator to ``OUT.best.safetensors`` when ``record`` (an
+    evaluation) has a lower held-out KL than ``best``; returns the best record."""
+    if best is not None and record["eval"]["kl"] >= best["eval"]["kl"]:
+        return best
+    t = distiller.translator()
+    t.spec.training = dict(
+        t.spec.training, stage=2,
+        distill={"steps_done": record["step"], "heldout_kl": record["eval"]["kl"],
+                 **config.to_dict()})
+    t.save(paths["best"])
+    return record
 
 
 def train(
@@ -275,8 +312,9 @@ def train(
         if translator is None:
             raise KvlingoError("A starting translator (the stage-1 fit) is needed.")
         distiller = Distiller(translator, target, config.distill, group)
-        if writer and paths["log"].exists():
-            paths["log"].unlink()
+        for stale in ("log", "best"):  # an earlier run's, in the same place
+            if writer and paths[stale].exists():
+                paths[stale].unlink()
 
     store = None
     if config.store_pool:
@@ -305,6 +343,10 @@ def train(
 
     stopped = False
     last_eval = None
+    # On resume, the best evaluation before the checkpoint (its file is the one beside
+    # OUT; without that file the next evaluation starts the comparison again).
+    best = (_best_in_log(paths["log"]) if resume and writer and paths["best"].exists()
+            else None)
     t_run = time.perf_counter()
     log_path = paths["log"] if writer else os.devnull
     saved = distiller.step  # the step of the checkpoint a failure falls back to
@@ -314,6 +356,7 @@ def train(
             # The starting point (the stage-1 fit), for comparison.
             last_eval = {"step": 0, "eval": evaluate().to_dict()}
             log.write(json.dumps(last_eval) + "\n")
+            best = _keep_if_best(paths, distiller, config, last_eval, best)
             if progress:
                 progress(last_eval)
         while distiller.step < config.distill.steps:
@@ -351,6 +394,7 @@ def train(
                 fid = evaluate()
                 last_eval = {"step": done, "eval": fid.to_dict()}
                 log.write(json.dumps(last_eval) + "\n")
+                best = _keep_if_best(paths, distiller, config, last_eval, best)
                 if progress:
                     progress(last_eval)
             stop_now = stop.requested
@@ -373,6 +417,9 @@ def train(
     if writer:
         if not stopped:
             _save_all(paths, distiller, config)
+            if config.keep_best and best is not None:
+                with written_atomically(paths["translator"]) as tmp:
+                    shutil.copyfile(paths["best"], tmp)
         write_plot(paths["log"], paths["plot"])
     # No rank leaves before rank 0's files are whole: mlx.launch ends the others as
     # soon as one process exits with a non-zero status (as a stopped run does).
@@ -383,6 +430,7 @@ def train(
         "stopped": stopped,
         "seconds": time.perf_counter() - t_run,
         "last_eval": last_eval,
+        "best_eval": best,
         "paths": {k: str(v) for k, v in paths.items()},
     }
 
@@ -426,8 +474,8 @@ def _resume(paths, target, config: RunConfig, group=None) -> Distiller:
             f"(mlx.launch -n {ranks} ...{'' if ranks > 1 else ', or without mlx.launch'}): "
             "each process's share of the samples and its feature store depend on it."
         )
-    saved = dict(info["config"])
     # Settings added since the checkpoint was written take their defaults there.
+    saved = {**RunConfig().to_dict(), **info["config"]}
     saved["distill"] = {**asdict(DistillConfig()), **saved["distill"]}
     if saved != config.to_dict():
         raise KvlingoError(

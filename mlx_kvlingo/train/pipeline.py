@@ -45,6 +45,7 @@ class TrainOptions:
     context_lengths: Sequence[int] = (128, 256)
     continuation_len: int = 64
     eval_every: int = 50
+    keep_best: bool = False  # end with the evaluated translator of lowest held-out KL
     checkpoint_every: int = 50
     store_pool: int = 0
     budget_s: Optional[float] = None  # whole run; stage 2's step count is planned to fit
@@ -54,7 +55,8 @@ class TrainOptions:
     def run_config(self) -> RunConfig:
         return RunConfig(self.distill, context_lengths=tuple(self.context_lengths),
                          continuation_len=self.continuation_len, eval_every=self.eval_every,
-                         checkpoint_every=self.checkpoint_every, store_pool=self.store_pool)
+                         checkpoint_every=self.checkpoint_every, store_pool=self.store_pool,
+                         keep_best=self.keep_best)
 
 
 def train_translator(o: TrainOptions, log: Callable[[str], None] = print,
