@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import cpu_math
 from ..errors import KvlingoError
-from .recompute import Span, _by_position, _PassView, _roped_at, merge_spans
+from .recompute import Span, _roped_at, merge_spans, pass_views
 
 # Neighbours recomputed with a position the question reads: the tokens that lead up
 # to it and follow it (the last token attends to the answer's first token; the
@@ -59,11 +59,7 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
     if start <= lo:
         return np.zeros((0,), np.float32)
     positions = mx.arange(start, top)
-    selected = mx.zeros((top,), dtype=mx.bool_)
-    selected[positions] = True
-    history = history or {}
-    views = [_PassView(*_by_position(c, end, top, history.get(i)), positions, selected)
-             for i, c in enumerate(cache)]
+    views = pass_views(cache, end, top, history, positions, start)
     totals = []
     attention = _ScoringAttention(lo, start, totals)
     cpu_math.install(target)
@@ -105,8 +101,16 @@ class _ScoringAttention:
         if isinstance(mask, mx.array):
             row = mask[..., -1:, :]
             s = mx.where(row, s, -mx.inf) if row.dtype == mx.bool_ else s + row
-        p = mx.softmax(s, axis=-1, precise=True)[..., self.lo:self.hi]
-        self.totals.append(p.reshape(B * H, self.hi - self.lo).max(axis=0))
+        # Key row j is position first + j (a sliding layer's view starts late:
+        # recompute.pass_views); positions before it get no attention here.
+        first = getattr(cache, "first", 0)
+        a, b = max(self.lo - first, 0), max(self.hi - first, 0)
+        p = mx.softmax(s, axis=-1, precise=True)[..., a:b]
+        best = p.reshape(B * H, b - a).max(axis=0) if b > a else mx.zeros((0,))
+        unseen = self.hi - self.lo - (b - a)
+        if unseen:
+            best = mx.concatenate([mx.zeros((unseen,), best.dtype), best])
+        self.totals.append(best)
         return out
 
 

@@ -44,37 +44,70 @@ class _PassView:
 
     The selected positions are read as one sequence, each token roped at its own
     position (:class:`_PositionedRope`). The layer's keys and values are laid out
-    by position, 0..end-1 (a sliding-window layer's unheld positions are zeros and
-    masked); the pass's new rows are written over their positions before the
-    attention, and every query attends to the positions up to its own. So a
+    by position, ``first``..end-1 (a sliding-window layer's unheld positions are
+    zeros and masked); the pass's new rows are written over their positions before
+    the attention, and every query attends to the positions up to its own. So a
     selected position sees the translated rows before it and the recomputed ones
     (at the same layer, from this very pass), exactly what recomputing the spans
-    one after the other gives, in one pass over the weights."""
+    one after the other gives, in one pass over the weights.
+
+    ``first``: the oldest position the layout holds. A sliding-window layer's view
+    starts a window before the pass's earliest query (no query reaches further), so
+    a probe of the last tokens of a long context attends over one window there, not
+    over the whole context (scaled_dot_product_attention gets the view as its
+    ``cache``: :attr:`first` says where its key rows start)."""
 
     offset = 0  # unused: _PositionedRope ropes every token at its own position
 
     def __init__(self, keys: mx.array, values: mx.array, held: mx.array, positions: mx.array,
-                 selected: mx.array):
-        self.keys, self.values = keys, values  # [1, H, end, D], by position
-        self.held = held  # [end] bool: positions this layer has rows for
+                 selected: mx.array, first: int = 0):
+        self.keys, self.values = keys, values  # [1, H, end - first, D], by position
+        self.held = held  # [end - first] bool: positions this layer has rows for
         self.positions = positions  # [n] the selected positions, in order
-        self.selected = selected  # [end] bool
+        self.selected = selected  # [end - first] bool
+        self.first = first
         self.new_keys = self.new_values = None  # [1, H, n, D]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.new_keys, self.new_values = keys, values
         k, v = self.keys, self.values
-        k[:, :, self.positions] = keys.astype(k.dtype)
-        v[:, :, self.positions] = values.astype(v.dtype)
+        rows = self.positions - self.first if self.first else self.positions
+        k[:, :, rows] = keys.astype(k.dtype)
+        v[:, :, rows] = values.astype(v.dtype)
         return k, v
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         query = self.positions[:, None]
-        key = mx.arange(self.keys.shape[2])[None]
+        key = self.first + mx.arange(self.keys.shape[2])[None]
         allowed = (key <= query) & (self.held | self.selected)[None]
         if window_size is not None:
             allowed = allowed & (query - key < window_size)
         return allowed
+
+
+def pass_views(cache: List, end: int, top: int, history: Optional[dict], positions: mx.array,
+               earliest: int) -> List[_PassView]:
+    """One :class:`_PassView` per layer of ``cache`` for a pass that reads
+    ``positions`` (of 0..top-1; the earliest is ``earliest``) on a cache of ``end``
+    positions; ``history``: rows older than a sliding layer keeps
+    (kernel.History.layers)."""
+    selected = mx.zeros((top,), dtype=mx.bool_)
+    selected[positions] = True
+    history = history or {}
+    views = []
+    for i, c in enumerate(cache):
+        keys, values, held = _by_position(c, end, top, history.get(i))
+        # A sliding-window layer: no query of the pass reaches a window before the
+        # earliest one (mlx-lm sizes its rotating cache to the window).
+        first = (max(earliest - c.max_size + 1, 0) if isinstance(c, RotatingKVCache)
+                 and c.max_size else 0)
+        if first:
+            keys, values = keys[..., first:, :], values[..., first:, :]
+            views.append(_PassView(keys, values, held[first:], positions, selected[first:],
+                                   first))
+        else:
+            views.append(_PassView(keys, values, held, positions, selected))
+    return views
 
 
 class _PositionedRope(nn.Module):
@@ -232,11 +265,7 @@ def _one_pass(target: nn.Module, cache: List, tokens: Sequence[int], spans: Sequ
     chosen = [p for a, b in spans for p in range(a, b)]
     top = end + len(inputs)
     positions = mx.array(chosen + list(range(end, top)))
-    selected = mx.zeros((top,), dtype=mx.bool_)
-    selected[positions] = True
-    history = history or {}
-    views = [_PassView(*_by_position(c, end, top, history.get(i)), positions, selected)
-             for i, c in enumerate(cache)]
+    views = pass_views(cache, end, top, history, positions, (chosen or [end])[0])
     ids = mx.array([[tokens[p] for p in chosen] + list(inputs)])
     logits = None
     # The pass is a short prefill: its softmax and activations in numpy on a CPU, as
