@@ -120,32 +120,6 @@ def test_question_spans_take_the_best_positions_with_neighbours_within_the_budge
     assert question_spans(scores, 1, lo=1, hi=101) == [(41, 42)]
 
 
-def test_the_best_positions_take_their_whole_sentence_and_the_rest_their_neighbours():
-    import re
-
-    from mlx_kvlingo.switching.recompute import sentence_spans
-
-    text = ("It rained all day. The key was under the old piano in the hall!\n"
-            "x = compute(3)  # a line of code\nNobody looked there.")
-    offsets = [(m.start(), m.end()) for m in re.finditer(r" ?\S+|\n", text)]
-    words = [text[a:b].strip() for a, b in offsets]
-    spans = sentence_spans(text, offsets)
-    assert [" ".join(words[a:b]).strip() for a, b in spans] == [
-        "It rained all day.", "The key was under the old piano in the hall!",
-        "x = compute(3) # a line of code", "Nobody looked there."]
-    assert all(b - a <= 4 for a, b in sentence_spans(text, offsets, most=4))
-    scores = np.zeros(len(offsets), np.float32)
-    piano, code, rained = words.index("piano"), words.index("code"), words.index("rained")
-    scores[piano], scores[code], scores[rained] = 3.0, 2.0, 1.0
-    got = question_spans(scores, 16, lo=0, hi=len(offsets), sentences=spans, whole=1)
-    assert (4, 15) in got  # the best position's whole sentence (and its newline)
-    assert (code - 2, code + 3) in got  # the next with its neighbours only
-    assert sum(b - a for a, b in got) <= 16
-    # Without room for the sentence, the position keeps its neighbours.
-    assert question_spans(scores, 5, lo=0, hi=len(offsets), sentences=spans, whole=1) == [
-        (piano - 2, piano + 3)]
-
-
 def test_the_question_finds_a_fact_the_translation_hid(toy_pair):
     """A translation that carries nothing (zero maps) hides the context; with the
     question's choice the target recomputes positions it attends to, and its

@@ -18,17 +18,15 @@ from ..errors import KvlingoError
 from ..models.geometry import cache_geometry
 from .kernel import History
 from .query import question_scores, question_spans
-from .recompute import Span, salient_spans, sentence_spans, word_spans
+from .recompute import Span, salient_spans, word_spans
 
 # How the positions are chosen (``spec.recompute_select``, or ``select=``):
 # "question" (the default): the positions the question reads, with the fact-like
 # words; "question-words": the same, each chosen position widened to the whole word
 # it is part of (a number a tokenizer splits digit by digit is recomputed whole);
-# "question-sentences": the same as "question", the best few positions widened to
-# their whole sentence or line (WHOLE_SENTENCES); "lexical": the fact-like words only.
-SELECTIONS = ("question", "question-words", "question-sentences", "lexical")
-BY_QUESTION = ("question", "question-words", "question-sentences")
-WHOLE_SENTENCES = 2
+# "lexical": the fact-like words only.
+SELECTIONS = ("question", "question-words", "lexical")
+BY_QUESTION = ("question", "question-words")
 # With "question", the fact-like words may take at most this share of the budget;
 # the question's choice fills the rest.
 LEXICAL_SHARE = 0.5
@@ -117,7 +115,6 @@ class RecomputePlan:
     lexical: List[Span] = field(default_factory=list)
     by_question: bool = False
     words: List[Span] = field(default_factory=list)  # multi-token words, to widen to
-    sentences: List[Span] = field(default_factory=list)  # the best few widen to these
 
     @classmethod
     def make(cls, budget: RecomputeBudget, n: int, lo: int, hi: int, select: str,
@@ -131,7 +128,7 @@ class RecomputePlan:
         if not count:
             return cls()
         by_question = question and select in BY_QUESTION
-        lexical, words, sentences = [], [], []
+        lexical, words = [], []
         if text is not None:
             share = int(count * LEXICAL_SHARE) if by_question else count
             lexical = [(a + text_from, b + text_from) for a, b in salient_spans(
@@ -139,10 +136,7 @@ class RecomputePlan:
             if by_question and select == "question-words":
                 words = [(a + text_from, b + text_from) for a, b in word_spans(
                     text[0], text[1], lo - text_from, hi - text_from)]
-            if by_question and select == "question-sentences":
-                sentences = [(a + text_from, b + text_from) for a, b in sentence_spans(
-                    text[0], text[1], lo - text_from, hi - text_from)]
-        return cls(count, lo, hi, lexical, by_question, words, sentences)
+        return cls(count, lo, hi, lexical, by_question, words)
 
     def history(self) -> Optional[History]:
         """The rows to keep for the recompute (None: nothing will be recomputed)."""
@@ -164,8 +158,7 @@ class RecomputePlan:
             return self.lexical
         scores = question_scores(target, cache, tokens, question_start, self.lo, history)
         return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
-                              keep=self.lexical, words=self.words, sentences=self.sentences,
-                              whole=WHOLE_SENTENCES if self.sentences else 0)
+                              keep=self.lexical, words=self.words)
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:

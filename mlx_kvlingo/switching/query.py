@@ -116,17 +116,13 @@ class _ScoringAttention:
 
 def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
                    keep: Sequence[Span] = (), before: int = BEFORE,
-                   after: int = AFTER, words: Sequence[Span] = (),
-                   sentences: Sequence[Span] = (), whole: int = 0) -> List[Span]:
+                   after: int = AFTER, words: Sequence[Span] = ()) -> List[Span]:
     """Spans of at most ``count`` positions in all: those of ``keep`` (chosen
     otherwise: the fact-like words), then the best-scored positions of lo..hi-1
     (``scores[i]`` is position lo + i's), each with ``before`` / ``after``
     neighbours and, where it lies in one of ``words`` (spans of several tokens),
-    the rest of that word, until the budget is spent. The ``whole`` best ones
-    take the whole of their span in ``sentences`` (the fact and what binds it)
-    where it fits."""
+    the rest of that word, until the budget is spent."""
     word_of = {p: (a, b) for a, b in words for p in range(a, b)}
-    sentence_of = {p: (a, b) for a, b in sentences for p in range(a, b)}
     chosen = [p for a, b in keep for p in range(a, b)]
     spans = merge_spans(chosen, lo=lo, hi=hi) if chosen else []
     used = sum(b - a for a, b in spans)
@@ -134,23 +130,17 @@ def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
         return spans
     n = min(len(scores), hi - lo)
     order = np.argsort(-scores[:n], kind="stable")
-    taken = 0
     for i in order[: 4 * count]:
         p = lo + int(i)
         # The position with its neighbours, or alone where they do not fit.
         a, b = word_of.get(p, (p, p + 1))
         near = range(max(min(p - before, a), lo), min(max(p + after + 1, b), hi))
-        windows = [near, range(max(a, lo), min(b, hi)), [p]]
-        if taken < whole and p in sentence_of:
-            sa, sb = sentence_of[p]
-            windows.insert(0, range(max(min(sa, near[0]), lo), min(max(sb, near[-1] + 1), hi)))
-        for window in windows:
+        for window in (near, range(max(a, lo), min(b, hi)), [p]):
             trial = merge_spans(chosen + list(window), lo=lo, hi=hi, gap=1)
             size = sum(b - a for a, b in trial)
             if size <= count:
                 chosen += list(window)
                 spans, used = trial, size
-                taken += 1
                 break
         if used >= count:
             break

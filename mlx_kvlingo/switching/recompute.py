@@ -390,26 +390,6 @@ def word_spans(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
     return out
 
 
-def sentence_spans(text: str, offsets: Sequence[Tuple[int, int]], lo: int = 0,
-                   hi: Optional[int] = None, most: int = 32) -> List[Span]:
-    """Token spans [a, b) of lo..hi-1, one per sentence or line of ``text`` (a
-    sentence ends at ``.``, ``!`` or ``?`` before a space or tab, a line at a newline),
-    a longer one cut into pieces of at most ``most`` tokens."""
-    hi = len(offsets) if hi is None else min(hi, len(offsets))
-    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
-    out, start, current = [], lo, None
-    for i in range(lo, hi + 1):
-        sentence = bisect.bisect_right(ends, offsets[i][0]) if i < hi else None
-        if i > start and (sentence != current or i - start == most):
-            out.append((start, i))
-            start = i
-        current = sentence
-    return out
-
-
-_SENTENCE_END = re.compile(r"[.!?](?=[ \t])|\n")
-
-
 def _word_char(c: str) -> bool:
     return c.isalnum() or c == "_"
 
