@@ -97,11 +97,17 @@ def main(argv=None):
     rows = checkpointed(items, args.seed, checkpoint, show, lambda item: run_item(
         switching.fresh(), native.fresh(), item, args.small_answer, models,
         translators[("small", "large")], args.switch_only))
-    report = summarise(rows)
-    print(report["table"])
+    report(rows, args)
+
+
+def report(rows, args) -> None:
+    """Print the rows' table (:func:`summarise`) and, with ``args.json``, write the
+    arguments, the rows and the summary there."""
+    summary = summarise(rows)
+    print(summary["table"])
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows, "summary": report}, indent=2))
+                                         "rows": rows, "summary": summary}, indent=2))
         print(f"Wrote {args.json}")
 
 

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from session_code import SETTINGS, summarise  # this folder's
+from session_code import SETTINGS, report  # this folder's
 
 SESSION, ONE_SHOT = SETTINGS[0], SETTINGS[3]
 
@@ -44,13 +44,7 @@ def main(argv=None):
     p.add_argument("switch_only", type=Path, help="the --switch-only run's checkpoint")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    rows = merged(read_rows(args.full), read_rows(args.switch_only))
-    report = summarise(rows)
-    print(report["table"])
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "rows": rows, "summary": report}, indent=2))
-        print(f"Wrote {args.json}")
+    report(merged(read_rows(args.full), read_rows(args.switch_only)), args)
 
 
 if __name__ == "__main__":

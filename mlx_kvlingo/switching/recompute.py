@@ -101,12 +101,8 @@ def pass_views(cache: List, end: int, top: int, history: Optional[dict], positio
         # earliest one (mlx-lm sizes its rotating cache to the window).
         first = (max(earliest - c.max_size + 1, 0) if isinstance(c, RotatingKVCache)
                  and c.max_size else 0)
-        if first:
-            keys, values = keys[..., first:, :], values[..., first:, :]
-            views.append(_PassView(keys, values, held[first:], positions, selected[first:],
-                                   first))
-        else:
-            views.append(_PassView(keys, values, held, positions, selected))
+        views.append(_PassView(keys[..., first:, :], values[..., first:, :], held[first:],
+                               positions, selected[first:], first))
     return views
 
 

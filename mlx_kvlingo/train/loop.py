@@ -257,12 +257,7 @@ def _keep_if_best(paths, distiller: Distiller, config: RunConfig, record: dict,
     evaluation) has a lower held-out KL than ``best``; returns the best record."""
     if best is not None and record["eval"]["kl"] >= best["eval"]["kl"]:
         return best
-    t = distiller.translator()
-    t.spec.training = dict(
-        t.spec.training, stage=2,
-        distill={"steps_done": record["step"], "heldout_kl": record["eval"]["kl"],
-                 **config.to_dict()})
-    t.save(paths["best"])
+    _trained(distiller, config, heldout_kl=record["eval"]["kl"]).save(paths["best"])
     return record
 
 
@@ -492,13 +487,16 @@ def _resume(paths, target, config: RunConfig, group=None) -> Distiller:
     return distiller
 
 
-def _save_all(paths, distiller: Distiller, config: RunConfig):
+def _trained(distiller: Distiller, config: RunConfig, **facts) -> Translator:
+    """The current maps as a translator whose file says how stage 2 made them."""
     t = distiller.translator()
-    t.spec.training = dict(
-        t.spec.training,
-        stage=2,
-        distill={"steps_done": distiller.step, **config.to_dict()},
-    )
+    t.spec.training = dict(t.spec.training, stage=2,
+                           distill={"steps_done": distiller.step, **facts, **config.to_dict()})
+    return t
+
+
+def _save_all(paths, distiller: Distiller, config: RunConfig):
+    t = _trained(distiller, config)
     save_checkpoint(paths["checkpoint"], distiller, t.spec, config)
     t.save(paths["translator"])
 
