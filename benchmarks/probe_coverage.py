@@ -103,7 +103,7 @@ def main(argv=None):
                          lambda x: len(ttok.encode(x)), kinds=args.kinds.split(","),
                          seed=args.seed)
     budget = RecomputeBudget.of(t)
-    hits, times = {}, {"tail": [], "last token": []}
+    hits, times = {}, {"tail": [], "last token": [], "source": []}
     for k, item in enumerate(items):
         ids, offsets = tokenize_with_offsets(ttok, item.prompt)
         n, lo = len(ids), max(t.spec.native_prefix, 1)
@@ -123,8 +123,11 @@ def main(argv=None):
                                      state._cache, end)
             last = query.question_scores(tgt, probed, ids, n - 1, lo, state.history)
             times["last token"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        by_source = query.source_scores(src, source_cache, alignment, lo, end)
+        times["source"].append(time.perf_counter() - t0)
         layers = np.stack([np.array(r) for r in per_layer.rows])[:, : end - lo]
-        ways = {"tail": tail, "last token": last[: end - lo]}
+        ways = {"tail": tail, "last token": last[: end - lo], "source": by_source}
         for c in LAYER_COUNTS:
             if c < len(layers):
                 ways[f"first {c} layers"] = layers[:c].sum(0)
@@ -132,7 +135,7 @@ def main(argv=None):
         for name, scores in ways.items():
             hits[name] = hits.get(name, 0) + covered(scores, count, lo, end, answer)
         print(f"  item {k + 1}/{len(items)} ({item.kind}): "
-              + ", ".join(f"{w} {h}" for w, h in list(hits.items())[:2]), flush=True)
+              + ", ".join(f"{w} {h}" for w, h in hits.items() if "layers" not in w), flush=True)
     out = {"source": args.source, "target": args.target, "tokens": args.tokens,
            "items": len(items), "kinds": args.kinds, "budget": budget.positions(args.tokens),
            "answer_covered": hits,

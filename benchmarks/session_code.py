@@ -22,6 +22,8 @@ items its checkpoint (OUT.items.jsonl) holds.
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
+import copy
+import dataclasses
 import json
 import re
 import statistics
@@ -63,6 +65,9 @@ def main(argv=None):
     p.add_argument("--small-answer", type=int, default=32, help="tokens of the small answer")
     p.add_argument("--select", default=None,
                    help="how the catch-up chooses what to recompute (default: the files')")
+    p.add_argument("--also-select", default=None,
+                   help="also the large model after a switch whose catch-up chooses this "
+                        "way (e.g. 'source'), on the same chat, timed beside the others")
     p.add_argument("--translator", type=Path, default=None,
                    help="the small -> large translator file (default: the shipped one)")
     p.add_argument("--switch-only", action="store_true",
@@ -83,6 +88,10 @@ def main(argv=None):
             t.spec.recompute_select = args.select
     models = {"small": (small, tok), "large": (large, large_tok)}
     switching, native = Session(models, translators), Session(models, {})
+    other = None
+    if args.also_select is not None:
+        other = Session(models, {k: _selecting(t, args.also_select)
+                                 for k, t in translators.items()})
     items = recall_items(heldout_code_filler(), args.items, args.tokens,
                          lambda text: len(tok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed, code_filler=heldout_code_filler())
@@ -91,12 +100,13 @@ def main(argv=None):
     def show(i, item, row):
         print(f"  item {i + 1}/{len(items)} ({item.kind}, {row['context_tokens']} tokens): "
               + ", ".join(f"{s} {'+' if row[s]['right'] else '-'} "
-                          f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in SETTINGS if s in row),
+                          f"{row[s]['ttft_s'] * 1e3:.0f} ms" for s in settings_of([row])),
               flush=True)
 
     rows = checkpointed(items, args.seed, checkpoint, show, lambda item: run_item(
         switching.fresh(), native.fresh(), item, args.small_answer, models,
-        translators[("small", "large")], args.switch_only))
+        translators[("small", "large")], args.switch_only,
+        other.fresh() if other is not None else None, args.also_select))
     report(rows, args)
 
 
@@ -129,10 +139,27 @@ def checkpointed(items, seed: int, checkpoint: Optional[Path], show, run_one) ->
     return rows
 
 
+def _selecting(translator, way: str):
+    """A copy of ``translator`` whose switches choose what to recompute ``way``."""
+    other = copy.copy(translator)
+    other.spec = dataclasses.replace(translator.spec, recompute_select=way)
+    return other
+
+
+def settings_of(rows) -> list:
+    """The settings the rows hold, in table order (SETTINGS, then the switches with
+    another selection: ``large after switch (WAY)``)."""
+    extra = sorted({k for r in rows for k in r if k.startswith(SETTINGS[0] + " (")})
+    present = [s for s in SETTINGS if any(s in r for r in rows)]
+    return present[:1] + extra + present[1:]
+
+
 def run_item(switching: Session, native: Session, item, small_tokens: int, models,
-             translator, switch_only: bool = False) -> dict:
+             translator, switch_only: bool = False, other: Optional[Session] = None,
+             way: Optional[str] = None) -> dict:
     """One chat three ways, and the one-shot switch (see the module's docstring);
-    ``switch_only``: the large model after the Session's switch alone."""
+    ``switch_only``: the large model after the Session's switch alone; ``other``: a
+    Session whose switch chooses ``way``, on the same chat."""
     paste = PASTE.format(code=item.context)
     question = question_of(item)
     limit = 40 if item.kind == "prints" else 20  # a printed list is longer than a word
@@ -143,6 +170,11 @@ def run_item(switching: Session, native: Session, item, small_tokens: int, model
            "context_tokens": after_switch.context_tokens,
            "translated": after_switch.translated, "recomputed": after_switch.recomputed}
     out[SETTINGS[0]] = scored(after_switch.text, after_switch.ttft_s, item)
+    if other is not None:
+        other.generate("small", paste, max_tokens=small_tokens)
+        r = other.generate("large", question, max_tokens=limit)
+        out[f"{SETTINGS[0]} ({way})"] = dict(scored(r.text, r.ttft_s, item),
+                                             recomputed=r.recomputed)
     if switch_only:
         return out
     itself = own.generate("small", question, max_tokens=limit)
@@ -205,7 +237,7 @@ def summarise(rows) -> dict:
              + "---|"]
     out = {}
     kinds = sorted({r["kind"] for r in rows})
-    for s in SETTINGS:
+    for s in settings_of(rows):
         have = [r for r in rows if s in r]  # a checkpoint from before a setting existed
         if not have:
             continue
@@ -233,6 +265,16 @@ def summarise(rows) -> dict:
     out["switch - re-prefill"] = [diff.value, diff.low, diff.high]
     lines.append(f"\nswitch - re-prefill, paired: {diff.value:+.2f} [{diff.low:+.2f}, "
                  f"{diff.high:+.2f}]")
+    for s in settings_of(rows)[1:]:
+        if not s.startswith(SETTINGS[0]):
+            continue
+        have = [r for r in rows if s in r]
+        d = paired_mean_difference([float(r[SETTINGS[0]]["right"]) for r in have],
+                                   [float(r[s]["right"]) for r in have])
+        out[f"{s} - switch"] = [d.value, d.low, d.high]
+        lines.append(f"{s} - switch, paired: {d.value:+.2f} [{d.low:+.2f}, {d.high:+.2f}]; "
+                     f"first token {out[SETTINGS[1]]['ttft_s'] / out[s]['ttft_s']:.1f}x "
+                     "sooner than the re-prefill")
     base = out[SETTINGS[1]]
     out["switch / re-prefill"] = {
         "right": out[SETTINGS[0]]["right"] / base["right"] if base["right"] else None,

@@ -9,7 +9,8 @@ Parts (medians of ``--rounds`` after a warm-up round, each a share of the re-pre
 
 - *translation*: the switch with no recompute, up to its first pass;
 - *probe*: the switch with its defaults up to its first pass, less the translation
-  (the plan, the target reading the question on the translated cache, and for a
+  (the plan, the target reading the question on the translated cache, or with
+  ``--select source`` the source reading its last token on its own, and for a
   target with sliding-window layers the older rows its recompute reads, translated
   beside the cache: kernel.History);
 - *first pass*: the target reading its pending tokens (native tail and the last
@@ -37,8 +38,10 @@ from mlx_kvlingo.switching.generate import first_step
 from mlx_kvlingo.translator.align import tokenize_with_offsets
 
 
-def time_parts(src, stok, tgt, ttok, translator, n: int, rounds: int) -> dict:
-    """Medians of the re-prefill and of the switch cut at its parts, n target tokens."""
+def time_parts(src, stok, tgt, ttok, translator, n: int, rounds: int,
+               select=None) -> dict:
+    """Medians of the re-prefill and of the switch cut at its parts, n target tokens;
+    ``select``: how the switch chooses what to recompute (None: the file's way)."""
     text = austen_text(ttok, n)
     source_tokens = tokenize_with_offsets(stok, text)
     cache = prefill(src, mx.array(source_tokens[0])[None])
@@ -48,7 +51,7 @@ def time_parts(src, stok, tgt, ttok, translator, n: int, rounds: int) -> dict:
 
     def built(**kw):
         return switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
-                           source_tokens=source_tokens, **kw)
+                           source_tokens=source_tokens, select=select, **kw)
 
     def whole(**kw):
         result = built(**kw)
@@ -99,6 +102,9 @@ def main(argv=None):
     ap.add_argument("--pairs", default="smollm2:gemma3,gemma3:smollm2",
                     help="SOURCE:TARGET pairs with shipped translators, comma-separated")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--select", default=None,
+                    help="how the switch chooses what to recompute (default: the file's; "
+                    "'source': the source reads the question, its probe)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     results = {}
@@ -109,7 +115,8 @@ def main(argv=None):
         name = f"{source} -> {target}"
         results[name] = {}
         for n in (int(x) for x in args.tokens.split(",")):
-            results[name][n] = time_parts(src, stok, tgt, ttok, translator, n, args.rounds)
+            results[name][n] = time_parts(src, stok, tgt, ttok, translator, n, args.rounds,
+                                           args.select)
             print(json.dumps({f"{name} {n}": results[name][n]["over_reprefill"]}), flush=True)
         del src, tgt
     print(table(results))

@@ -263,3 +263,24 @@ def test_switch_text_refuses_a_source_cache_shorter_than_the_text(tokenizers):
     short = prefill(src, mx.array(ids[: len(ids) // 2])[None])
     with pytest.raises(KvlingoError, match="source cache holds"):
         switch_text(src, stok, tgt, ttok, t, TEXT, source_cache=short, native_tail=0)
+
+
+def test_a_switch_chosen_by_the_sources_reading_across_tokenizers(tokenizers):
+    """select='source' across tokenizers: the source's scores are carried to the
+    target's tokens by characters; with a recompute the target reads the chosen
+    positions itself, not those its own reading would choose."""
+    from mlx_kvlingo.switching.api import switch_text
+    from mlx_kvlingo.switching.query import source_scores
+
+    stok, ttok = tokenizers
+    src, tgt = tiny_model("llama", vocab_size=300), tiny_model("qwen3", seed=1, vocab_size=330)
+    t = Translator.for_models(src, tgt, stok, ttok)
+    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 2, 0.2, 0
+    r = switch_text(src, stok, tgt, ttok, t, TEXT, select="source")
+    assert r.deferred and sum(b - a for a, b in r.deferred) <= int(0.2 * len(r.context))
+    a = align_text(stok, ttok, TEXT, t.spec.native_prefix)
+    assert a.source_offsets is not None
+    cache = prefill(src, mx.array(a.source_tokens)[None])
+    scores = source_scores(src, cache, a, 1, len(a.target_tokens) - 3)
+    assert scores.shape == (len(a.target_tokens) - 4,) and scores.max() > 0
+    assert switch_text(src, stok, tgt, ttok, t, TEXT, select="question").deferred != r.deferred

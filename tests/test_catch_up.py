@@ -77,3 +77,28 @@ def test_catch_up_runs_must_follow_each_other(target):
     ids = tok.encode(CONTEXT)
     with pytest.raises(KvlingoError, match="follow each other"):
         catch_up(m, make_prompt_cache(m), ids, 0, [Run(0, 5), Run(6, 9)])
+
+
+def test_a_catch_up_chosen_by_the_writers_reading(target):
+    """select='source': the writer reads the question on its own cache (a probe:
+    its cache is left as it was) and its last token's best-scored position is
+    recomputed; the reader's own reading of the translated cache chooses others."""
+    import numpy as np
+
+    from mlx_kvlingo.switching.query import question_scores
+
+    m, tok = target
+    t = identity_translator(m, tok, scale=0.5)
+    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 4, 0.3, 0
+    ids, question = tok.encode(CONTEXT), tok.encode(QUESTION)
+    source_cache = prefill(m, mx.array(ids)[None])
+    scores = question_scores(m, source_cache, ids + question, len(ids), 1)
+    best = 3 + int(np.argmax(scores[2:len(ids) - 5]))  # of the translated 3..len - 5
+    cache = make_prompt_cache(m)
+    prefill(m, mx.array(ids[:3]), cache)
+    runs = [Run(3, len(ids), "a", m, source_cache, t)]
+    done = catch_up(m, cache, ids, 3, runs, question, tokenizer=tok, select="source")
+    assert all(c.offset == len(ids) for c in source_cache)
+    assert any(a <= best < b for a, b in done.result.deferred)
+    _, own = _catch_up(m, tok, t, select="question")
+    assert own.result.deferred != done.result.deferred

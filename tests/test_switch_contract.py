@@ -184,3 +184,69 @@ def test_an_exact_switch_with_the_questions_choice_is_a_re_prefill(arch):
     native = m(mx.array([ids]))[0, -1]
     assert mx.abs(logits - native).max().item() < 1e-3
     assert all(c.offset == len(ids) for c in result.cache)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_the_sources_reading_is_its_own_attention_from_the_last_token(arch):
+    """select='source': the source reads the context's last token on its own cache
+    (sliding windows of 8 in gemma3_text: a rotating cache); the scores are its
+    attention from that token, as question_scores scores it, position for
+    position with one tokenizer; its cache is left as it was."""
+    from mlx_kvlingo.switching.query import source_scores
+    from mlx_kvlingo.translator.align import identity_alignment
+
+    m = tiny_model(arch)
+    ids = mx.random.randint(0, 97, (30,), key=mx.random.key(5)).tolist()
+    cache = prefill(m, mx.array([ids[:-1]]))
+    before = [mx.array(c.keys) for c in cache]
+    got = source_scores(m, cache, identity_alignment(ids), 3, 20)
+    _, weights = attention_weights(m, mx.array([ids]), per_head=True)
+    want = sum(np.array(w[0, :, -1, 3:20].max(axis=0)) for w in weights)
+    assert got.shape == (17,) and np.abs(got - want).max() < 1e-3
+    assert all(mx.array_equal(a, c.keys) for a, c in zip(before, cache))
+
+
+def test_source_scores_go_to_the_target_tokens_that_share_their_characters():
+    from mlx_kvlingo.switching.query import scores_by_characters
+
+    scores = np.array([1.0, 2.0, 3.0, 4.0, 9.0], np.float32)
+    source = [(0, 3), (3, 5), (5, 6), (6, 10), (0, 0)]  # the last: a marker, no characters
+    target = [(0, 2), (2, 4), (4, 7), (7, 10), (0, 0)]
+    assert scores_by_characters(scores, source, target).tolist() == [1.0, 2.0, 4.0, 4.0, 0.0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_an_exact_switch_chosen_by_the_sources_reading_is_a_re_prefill(arch):
+    m = tiny_model(arch)
+    t = identity_translator(m)
+    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
+    ids = mx.random.randint(0, 97, (40,), key=mx.random.key(11)).tolist()
+    result = switch(m, m, t, ids, select="source")
+    assert result.deferred
+    logits = result.read()[0, -1]
+    native = m(mx.array([ids]))[0, -1]
+    assert mx.abs(logits - native).max().item() < 1e-3
+
+
+def test_the_sources_reading_finds_a_fact_the_translation_hid(toy_pair):
+    """As with the target's reading: a translation that carries nothing, repaired
+    where the source's last token looks, moves the prediction toward the
+    re-prefill's; and the positions chosen differ from the target's choice (the
+    source reads its own exact cache, not the translated one)."""
+    src, stok, _, _ = toy_pair
+    zero = identity_translator(src, stok, scale=0.0)
+    zero.spec.native_tail = 3
+    ids = stok.encode(TEXT)
+    native = src(mx.array([ids]))[0, -1]
+    native = native - mx.logsumexp(native)
+
+    def switched(share, select):
+        return switch(src, src, zero, ids, recompute=share, select=select)
+
+    def kl(r):
+        logits = r.read()[0, -1]
+        lp = logits - mx.logsumexp(logits)
+        return (mx.exp(native) * (native - lp)).sum().item()
+
+    assert kl(switched(0.3, "source")) < kl(switched(0.0, "source"))
+    assert switched(0.3, "source").deferred != switched(0.3, "question").deferred

@@ -26,7 +26,7 @@ from .choice import (  # noqa: F401  (LEXICAL_SHARE, SELECTIONS: re-exported)
     RecomputePlan,
     resolve_select,
 )
-from .query import MIN_QUESTION
+from .query import MIN_QUESTION, source_scores
 from .recompute import Span, recompute_and_read, recompute_spans, token_offsets
 
 
@@ -360,7 +360,12 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
     # half as much and chose the answer's tokens as often, but its choice answered
     # fewer relations (Gemma 3 -> SmolLM2, ~1,100 tokens: 4 of 8 against 6 of 8;
     # plain-word facts 0.44 against 0.50 of 48).
-    spans = plan.choose(target, result._cache, ids, start, result.history)
+    by_source = None
+    if select == "source":
+        def by_source(lo: int, hi: int):
+            return source_scores(source, source_cache, alignment, lo, hi)
+    spans = plan.choose(target, result._cache, ids, start, result.history,
+                        read_by_source=by_source)
     result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
     return _defer(result, spans, ids, text)
 

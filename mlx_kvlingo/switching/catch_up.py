@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
@@ -35,6 +36,7 @@ from ..translator.maps import Translator
 from .api import SwitchResult, translate_aligned, translate_span
 from .choice import RecomputeBudget, RecomputePlan, resolve_select, whole_context_from
 from .kernel import History
+from .query import question_scores
 from .recompute import recompute_spans, token_offsets
 
 
@@ -135,7 +137,10 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
     else:
         out.native_tail = m
         tail = list(tokens[end - m:end])
-        spans = _choose(model, out.cache, tokens, plan, history, tail + list(question))
+        by_source = (_source_reading(runs, list(tokens[:end]) + list(question))
+                     if specs and resolve_select(specs, select) == "source" else None)
+        spans = _choose(model, out.cache, tokens, plan, history, tail + list(question),
+                        by_source)
         out.recomputed = sum(b - a for a, b in spans)
         layers = history.layers if history is not None else {}
         if g:  # the gate reads the tail first: recompute now, then judge
@@ -238,9 +243,10 @@ def _prefill(model, out: CatchUp, tokens, lo: int, hi: int,
 
 
 def _choose(model, cache, tokens, plan: RecomputePlan, history: Optional[History],
-            question: Sequence[int]):
+            question: Sequence[int], by_source=None):
     """The spans to recompute: the plan's choice, with ``question`` read on the
-    translated cache (a probe that writes nothing)."""
+    translated cache (a probe that writes nothing), or by the writer
+    (``by_source``: :func:`_source_reading`)."""
     if not plan.count:
         return []
     if not question:
@@ -248,7 +254,33 @@ def _choose(model, cache, tokens, plan: RecomputePlan, history: Optional[History
     layers = history.layers if history is not None else None
     end = min(c.offset for c in cache)
     return plan.choose(model, cache, list(tokens[:end]) + list(question), end, layers,
-                       floor=whole_context_from(model, cache, layers or {}))
+                       floor=whole_context_from(model, cache, layers or {}),
+                       read_by_source=by_source)
+
+
+def _source_reading(runs: Sequence[Run], full: Sequence[int]):
+    """The question's choice read by the writer of the translated runs, on its own
+    cache (select "source"): it reads what its cache lacks of ``full`` (the
+    context, then the question) natively, as a probe that writes nothing, and its
+    last token's attention scores the positions (query.question_scores). None,
+    and the reader reads the question itself, where that is not one writer with
+    the reader's tokenizer."""
+    writers = {id(r.source_cache): r for r in runs if r.translator is not None}
+    if len(writers) != 1:
+        return None
+    run = next(iter(writers.values()))
+    held = min(c.offset for c in run.source_cache)
+    if run.alignment is not None or held > len(full) - 1:
+        return None
+
+    def read(lo: int, hi: int) -> np.ndarray:
+        scores = question_scores(run.source, run.source_cache, full, held, 1)  # 1..held-1
+        out = np.zeros(max(hi - lo, 0), np.float32)
+        part = scores[max(lo - 1, 0): max(hi - 1, 0)]
+        out[: len(part)] = part
+        return out
+
+    return read
 
 
 def _judge(model, tokens, start: int, end: int, g: int, judge: Judge, translators,

@@ -10,7 +10,7 @@ the text; after it, with the default selection, the positions the question reads
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -24,9 +24,12 @@ from .recompute import Span, salient_spans, word_spans
 # "question" (the default): the positions the question reads, with the fact-like
 # words; "question-words": the same, each chosen position widened to the whole word
 # it is part of (a number a tokenizer splits digit by digit is recomputed whole);
+# "source": as "question", the question read by the source on its own cache
+# instead of by the target on the translated one (one token's pass of the source:
+# query.source_scores), where the source's cache is at hand (a one-shot switch);
 # "lexical": the fact-like words only.
-SELECTIONS = ("question", "question-words", "lexical")
-BY_QUESTION = ("question", "question-words")
+SELECTIONS = ("question", "question-words", "source", "lexical")
+BY_QUESTION = ("question", "question-words", "source")
 # With "question", the fact-like words may take at most this share of the budget;
 # the question's choice fills the rest.
 LEXICAL_SHARE = 0.5
@@ -145,19 +148,27 @@ class RecomputePlan:
         return History(since=self.lexical[0][0]) if self.lexical else None
 
     def choose(self, target, cache: List, tokens: Sequence[int], question_start: int,
-               history: Optional[dict] = None, floor: int = 0) -> List[Span]:
+               history: Optional[dict] = None, floor: int = 0,
+               read_by_source: Optional[Callable[[int, int], np.ndarray]] = None
+               ) -> List[Span]:
         """The spans to recompute, once ``cache`` holds the translation:
         ``tokens[question_start:]`` is the question (positions the cache holds are
         read again, the others after them; nothing is written). ``floor``: the
-        first position the question's choice may take."""
+        first position the question's choice may take. ``read_by_source(lo, hi)``:
+        the scores of positions lo..hi-1 as the source reads the question
+        (query.source_scores), used instead of the target's reading."""
         if not self.by_question or not self.count:
             return self.lexical
         lo = max(self.lo, floor)
         hi = min(self.hi, question_start)
         if hi - lo < 1:
             return self.lexical
-        scores = question_scores(target, cache, tokens, question_start, self.lo, history)
-        return question_spans(np.asarray(scores)[lo - self.lo:], self.count, lo, hi,
+        if read_by_source is not None:
+            scores = read_by_source(lo, hi)
+        else:
+            scores = question_scores(target, cache, tokens, question_start, self.lo,
+                                     history)[lo - self.lo:]
+        return question_spans(np.asarray(scores), self.count, lo, hi,
                               keep=self.lexical, words=self.words)
 
 

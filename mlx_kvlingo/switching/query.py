@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import cpu_math
 from ..errors import KvlingoError
+from ..translator.align import Alignment
 from .recompute import Span, _roped_at, merge_spans, pass_views
 
 # Neighbours recomputed with a position the question reads: the tokens that lead up
@@ -80,6 +81,55 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
     total = sum(totals[1:], totals[0])
     mx.eval(total)
     return np.array(total)
+
+
+def source_scores(source: nn.Module, source_cache: List, alignment: Alignment, lo: int,
+                  hi: int) -> np.ndarray:
+    """The question's choice read by the *source*: how much its last token attends,
+    on the source's own cache, to what target positions lo..hi-1 hold (an array of
+    hi - lo scores, as :func:`question_scores` scores them).
+
+    The source wrote the cache and has read the context up to the question
+    natively, so one token's pass of the source (its last) replaces the target's
+    pass over the question on a translated cache: no translation error aims it,
+    and a small source costs less than a large target (CacheClip, arXiv
+    2510.10129, chooses with a small model's attention likewise).
+    ``alignment.source_tokens``: the whole context in the source's tokens, n of
+    them, whose first n - 1 at least ``source_cache`` holds. Across tokenizers the
+    scores go from source to target tokens by characters (a target token takes the
+    largest score of the source tokens it shares a character with)."""
+    ids = alignment.source_tokens
+    scores = question_scores(source, source_cache, ids, len(ids) - 1, 1)  # positions 1..
+    if alignment.source_offsets is None or alignment.target_offsets is None:
+        out = np.zeros(max(hi - lo, 0), np.float32)  # one tokenizer: position for position
+        part = scores[max(lo - 1, 0): max(hi - 1, 0)]
+        out[: len(part)] = part
+        return out
+    return scores_by_characters(scores, alignment.source_offsets[1: 1 + len(scores)],
+                          alignment.target_offsets[lo:hi])
+
+
+def scores_by_characters(scores: np.ndarray, source_offsets, target_offsets) -> np.ndarray:
+    """Per target token, the largest score of the source tokens sharing a character
+    with it (0 where none: a template marker)."""
+    src = np.asarray(source_offsets, np.int64).reshape(-1, 2)
+    tgt = np.asarray(target_offsets, np.int64).reshape(-1, 2)
+    texty = src[:, 1] > src[:, 0]
+    src, scores = src[texty], np.asarray(scores, np.float32)[texty]
+    out = np.zeros(len(tgt), np.float32)
+    if not len(src) or not len(tgt):
+        return out
+    # Source tokens k0..k1 overlap a target token (a, b): the first ending after a
+    # to the last starting before b (both columns ascend).
+    k0 = np.searchsorted(src[:, 1], tgt[:, 0], side="right")
+    k1 = np.searchsorted(src[:, 0], tgt[:, 1], side="left")
+    hit = (tgt[:, 1] > tgt[:, 0]) & (k1 > k0)
+    if hit.any():
+        # reduceat over (k0, k1) pairs: every other result is a pair's maximum.
+        pairs = np.stack([k0[hit], k1[hit]], 1).reshape(-1)
+        padded = np.append(scores, np.float32(0))
+        out[hit] = np.maximum.reduceat(padded, pairs)[::2]
+    return out
 
 
 class _ScoringAttention:

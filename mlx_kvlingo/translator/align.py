@@ -30,6 +30,9 @@ class Alignment:
     source_index: List[int]  # per target position: a source position, or NATIVE
     # Per target position: its characters in the text, when aligned from text.
     target_offsets: Optional[List[Tuple[int, int]]] = None
+    # Per source position: its characters (aligned from text): what carries the
+    # source's reading of a question over to the target's positions.
+    source_offsets: Optional[List[Tuple[int, int]]] = None
 
     @property
     def native_prefix(self) -> int:
@@ -44,7 +47,8 @@ class Alignment:
         if self.native_prefix >= k:
             return self
         index = [NATIVE if j < k else i for j, i in enumerate(self.source_index)]
-        return Alignment(self.source_tokens, self.target_tokens, index, self.target_offsets)
+        return Alignment(self.source_tokens, self.target_tokens, index, self.target_offsets,
+                         self.source_offsets)
 
     def with_native_tail(self, m: int, end: Optional[int] = None) -> "Alignment":
         """The same alignment with target positions end-m..end-1 native (the native
@@ -56,7 +60,8 @@ class Alignment:
         if m <= 0 or all(i == NATIVE for i in self.source_index[lo:end]):
             return self
         index = [NATIVE if lo <= j < end else i for j, i in enumerate(self.source_index)]
-        return Alignment(self.source_tokens, self.target_tokens, index, self.target_offsets)
+        return Alignment(self.source_tokens, self.target_tokens, index, self.target_offsets,
+                         self.source_offsets)
 
     def runs(self, start: int, end: int) -> List[Tuple[bool, int, int]]:
         """Maximal runs (native?, lo, hi) of target positions start..end-1."""
@@ -143,7 +148,7 @@ def align_text(source_tokenizer, target_tokenizer, text: str, native_prefix: int
         source_tokens = tokenize_with_offsets(source_tokenizer, text)
     s_ids, s_off = source_tokens
     t_ids, t_off = tokenize_with_offsets(target_tokenizer, text)
-    return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix), t_off)
+    return Alignment(s_ids, t_ids, align_offsets(s_off, t_off, native_prefix), t_off, s_off)
 
 
 def identity_alignment(tokens: Sequence[int], native_prefix: int = 1) -> Alignment:

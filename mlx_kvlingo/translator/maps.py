@@ -546,7 +546,7 @@ def _validate_spec(spec: TranslatorSpec):
     if not (isinstance(spec.recompute, (int, float)) and not isinstance(spec.recompute, bool)
             and 0 <= spec.recompute <= 1 and _is_count(spec.recompute_max)
             and _is_count(spec.recompute_reserve)
-            and spec.recompute_select in ("question", "lexical")):
+            and spec.recompute_select in ("question", "question-words", "source", "lexical")):
         raise TranslatorFileError(
             f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r} / "
             f"recompute_reserve {spec.recompute_reserve!r}.")
