@@ -124,10 +124,12 @@ def main(argv=None):
             last = query.question_scores(tgt, probed, ids, n - 1, lo, state.history)
             times["last token"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        by_source = query.source_scores(src, source_cache, alignment, lo, end)
+        with _PerLayer() as source_layers:
+            by_source = query.source_scores(src, source_cache, alignment, lo, end)
         times["source"].append(time.perf_counter() - t0)
         layers = np.stack([np.array(r) for r in per_layer.rows])[:, : end - lo]
         ways = {"tail": tail, "last token": last[: end - lo], "source": by_source}
+        ways.update(source_variants(src, source_layers.rows, alignment, lo, end))
         for c in LAYER_COUNTS:
             if c < len(layers):
                 ways[f"first {c} layers"] = layers[:c].sum(0)
@@ -144,6 +146,27 @@ def main(argv=None):
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def source_variants(source, rows, alignment, lo, end) -> dict:
+    """The source's reading summed over its full-attention layers only, and averaged
+    per position over the layers that see it: with sliding windows (Gemma 3: 15 of
+    18 layers) a distant position is scored by fewer layers than a recent one."""
+    from mlx_kvlingo.models.geometry import cache_geometry
+
+    per_layer = np.stack([np.array(r) for r in rows])  # [layers, source positions 1..]
+    n = per_layer.shape[1]
+    last = len(alignment.source_tokens) - 1
+    seen = np.zeros_like(per_layer)
+    for i, lg in enumerate(cache_geometry(source).layers):
+        first = last - lg.window + 1 if lg.window else 0
+        seen[i, max(first - 1, 0):] = 1.0
+    ways = {"source, full layers": per_layer[[lg.window is None or not lg.window for lg in
+                                             cache_geometry(source).layers]].sum(0),
+            "source, mean over seeing layers": per_layer.sum(0) / np.maximum(seen.sum(0), 1)}
+    offsets = alignment.source_offsets[1: 1 + n]
+    return {k: query.scores_by_characters(v, offsets, alignment.target_offsets[lo:end])
+            for k, v in ways.items() if v.any()}
 
 
 def tail_translated(source, target, translator, source_cache, alignment, tokens, cache, end):

@@ -274,7 +274,8 @@ def _source_reading(runs: Sequence[Run], full: Sequence[int]):
         return None
 
     def read(lo: int, hi: int) -> np.ndarray:
-        scores = question_scores(run.source, run.source_cache, full, held, 1)  # 1..held-1
+        scores = question_scores(run.source, run.source_cache, full, held, 1,  # 1..held-1
+                                 per_layer_seen=True)
         out = np.zeros(max(hi - lo, 0), np.float32)
         part = scores[max(lo - 1, 0): max(hi - 1, 0)]
         out[: len(part)] = part
