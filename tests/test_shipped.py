@@ -123,7 +123,7 @@ def test_switch_between_the_qwen_models_needs_no_training(tmp_path):
 
 def test_mlx_lm_generation_after_a_shipped_switch_equals_generate_after_switch(models):
     """With the shipped SmolLM2 -> Gemma 3 file and its defaults (native tail,
-    recompute chosen by the question), mlx-lm's own loop from the result's prompt
+    recompute chosen by the source's reading of the question), mlx-lm's own loop from the result's prompt
     and prompt cache gives the greedy tokens generate_after_switch gives, and recalls
     a fact stated far back as it does."""
     from mlx_lm.generate import stream_generate
