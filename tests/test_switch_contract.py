@@ -120,9 +120,11 @@ def test_question_spans_take_the_best_positions_with_neighbours_within_the_budge
     assert question_spans(scores, 1, lo=1, hi=101) == [(41, 42)]
 
 
-def test_the_question_finds_a_fact_the_translation_hid(toy_pair):
+@pytest.mark.parametrize("select", ["question", "source"])
+def test_the_question_finds_a_fact_the_translation_hid(toy_pair, select):
     """A translation that carries nothing (zero maps) hides the context; with the
-    question's choice the target recomputes positions it attends to, and its
+    question's choice (read by the target on the translated cache, or by the
+    source on its own) the target recomputes positions it attends to, and its
     prediction moves toward the re-prefill's."""
     src, stok, _, _ = toy_pair
     zero = identity_translator(src, stok, scale=0.0)
@@ -132,12 +134,16 @@ def test_the_question_finds_a_fact_the_translation_hid(toy_pair):
     native = native - mx.logsumexp(native)
 
     def kl(share):
-        r = switch(src, src, zero, ids, recompute=share, select="question")
+        r = switch(src, src, zero, ids, recompute=share, select=select)
         logits = r.read()[0, -1]
         lp = logits - mx.logsumexp(logits)
         return (mx.exp(native) * (native - lp)).sum().item()
 
     assert kl(0.3) < kl(0.0)
+    # The source reads its own exact cache, not the translated one: another choice.
+    other = "question" if select == "source" else "source"
+    assert (switch(src, src, zero, ids, recompute=0.3, select=select).deferred
+            != switch(src, src, zero, ids, recompute=0.3, select=other).deferred)
 
 
 def test_a_converted_prompt_cache_continued_by_mlx_lm_is_the_switch(toy_pair):
@@ -169,16 +175,17 @@ def test_a_converted_prompt_cache_continued_by_mlx_lm_is_the_switch(toy_pair):
     assert mx.abs(src(last, cache=plain) - src(last, cache=again)).max().item() > 1e-3
 
 
+@pytest.mark.parametrize("select", ["question", "source"])
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_an_exact_switch_with_the_questions_choice_is_a_re_prefill(arch):
-    """With exact maps, a switch whose recompute the question chooses (sliding
-    windows of 8 in gemma3_text, so the recompute reads rows the windows dropped)
-    continues exactly as a native prefill does."""
+def test_an_exact_switch_with_the_questions_choice_is_a_re_prefill(arch, select):
+    """With exact maps, a switch whose recompute the question chooses (read by the
+    target or by the source; sliding windows of 8 in gemma3_text, so the recompute
+    reads rows the windows dropped) continues exactly as a native prefill does."""
     m = tiny_model(arch)
     t = identity_translator(m)
     t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
     ids = mx.random.randint(0, 97, (40,), key=mx.random.key(11)).tolist()
-    result = switch(m, m, t, ids)
+    result = switch(m, m, t, ids, select=select)
     assert result.deferred and result.prompt.size == 6
     logits = result.read()[0, -1]
     native = m(mx.array([ids]))[0, -1]
@@ -220,40 +227,3 @@ def test_source_scores_go_to_the_target_tokens_that_share_their_characters():
     source = [(0, 3), (3, 5), (5, 6), (6, 10), (0, 0)]  # the last: a marker, no characters
     target = [(0, 2), (2, 4), (4, 7), (7, 10), (0, 0)]
     assert scores_by_characters(scores, source, target).tolist() == [1.0, 2.0, 4.0, 4.0, 0.0]
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
-def test_an_exact_switch_chosen_by_the_sources_reading_is_a_re_prefill(arch):
-    m = tiny_model(arch)
-    t = identity_translator(m)
-    t.spec.native_tail, t.spec.recompute, t.spec.recompute_max = 5, 0.3, 0
-    ids = mx.random.randint(0, 97, (40,), key=mx.random.key(11)).tolist()
-    result = switch(m, m, t, ids, select="source")
-    assert result.deferred
-    logits = result.read()[0, -1]
-    native = m(mx.array([ids]))[0, -1]
-    assert mx.abs(logits - native).max().item() < 1e-3
-
-
-def test_the_sources_reading_finds_a_fact_the_translation_hid(toy_pair):
-    """As with the target's reading: a translation that carries nothing, repaired
-    where the source's last token looks, moves the prediction toward the
-    re-prefill's; and the positions chosen differ from the target's choice (the
-    source reads its own exact cache, not the translated one)."""
-    src, stok, _, _ = toy_pair
-    zero = identity_translator(src, stok, scale=0.0)
-    zero.spec.native_tail = 3
-    ids = stok.encode(TEXT)
-    native = src(mx.array([ids]))[0, -1]
-    native = native - mx.logsumexp(native)
-
-    def switched(share, select):
-        return switch(src, src, zero, ids, recompute=share, select=select)
-
-    def kl(r):
-        logits = r.read()[0, -1]
-        lp = logits - mx.logsumexp(logits)
-        return (mx.exp(native) * (native - lp)).sum().item()
-
-    assert kl(switched(0.3, "source")) < kl(switched(0.0, "source"))
-    assert switched(0.3, "source").deferred != switched(0.3, "question").deferred
