@@ -10,7 +10,11 @@ its default budget of positions chosen by the question alone (no fact-like words
 - ``last token``: the last token alone, on a copy of the cache with the tail
   translated too (cheaper: one token read instead of 17);
 - ``first K`` / ``last K`` layers: the last-token reading scored over K of the
-  target's layers only (could a probe stop early?).
+  target's layers only (could a probe stop early?);
+- ``source``: the source reading its last token on its own cache (select
+  "source", query.source_scores), and beside it that reading summed over the
+  source's full-attention layers only, and averaged per position over the layers
+  that see it (what select "source" does).
 
 An item counts when any of its answer's tokens (else its fact sentence's) is among
 the chosen positions. (The last token alone chose the answer as often as the tail,

@@ -43,7 +43,7 @@ def main(argv=None):
                    "recompute fact-like words; 'default': the translator file's own")
     p.add_argument("--select", default="",
                    help="comma-separated ways to choose each recompute's positions "
-                   "(question, lexical); default: the translator file's own")
+                   "(question, source, question-words, lexical); default: the translator file's own")
     p.add_argument("--recompute-max", type=int, default=0,
                    help="the most positions each recompute budget may come to (0: no limit)")
     p.add_argument("--oracle", action="store_true",

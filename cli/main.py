@@ -713,7 +713,7 @@ def defaults(
         None, help="How the recomputed positions are chosen: 'question' (those the next "
         "question attends to, with the fact-like words), 'question-words' (the same, each "
         "widened to its whole word), 'source' (as 'question', read by the source on its own "
-        "cache: a one-shot switch) or 'lexical' (the fact-like words only)."),
+        "cache) or 'lexical' (the fact-like words only)."),
     out: Optional[Path] = typer.Option(
         None, help="Write the file with the new defaults here (default: in place)."),
 ):

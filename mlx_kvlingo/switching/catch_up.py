@@ -36,7 +36,7 @@ from ..translator.maps import Translator
 from .api import SwitchResult, translate_aligned, translate_span
 from .choice import RecomputeBudget, RecomputePlan, resolve_select, whole_context_from
 from .kernel import History
-from .query import question_scores
+from .query import question_scores, scores_from
 from .recompute import recompute_spans, token_offsets
 
 
@@ -276,10 +276,7 @@ def _source_reading(runs: Sequence[Run], full: Sequence[int]):
     def read(lo: int, hi: int) -> np.ndarray:
         scores = question_scores(run.source, run.source_cache, full, held, 1,  # 1..held-1
                                  per_layer_seen=True)
-        out = np.zeros(max(hi - lo, 0), np.float32)
-        part = scores[max(lo - 1, 0): max(hi - 1, 0)]
-        out[: len(part)] = part
-        return out
+        return scores_from(scores, lo, hi)
 
     return read
 

@@ -25,8 +25,9 @@ from .recompute import Span, salient_spans, word_spans
 # words; "question-words": the same, each chosen position widened to the whole word
 # it is part of (a number a tokenizer splits digit by digit is recomputed whole);
 # "source": as "question", the question read by the source on its own cache
-# instead of by the target on the translated one (one token's pass of the source:
-# query.source_scores), where the source's cache is at hand (a one-shot switch);
+# instead of by the target on the translated one (query.source_scores: in a
+# one-shot switch one token's pass of the source; in a catch-up with one
+# tokenizer, what the writer's cache lacks and the new messages);
 # "lexical": the fact-like words only.
 SELECTIONS = ("question", "question-words", "source", "lexical")
 BY_QUESTION = ("question", "question-words", "source")

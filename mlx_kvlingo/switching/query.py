@@ -114,12 +114,17 @@ def source_scores(source: nn.Module, source_cache: List, alignment: Alignment, l
     scores = question_scores(source, source_cache, ids, len(ids) - 1, 1,  # positions 1..
                              per_layer_seen=True)
     if alignment.source_offsets is None or alignment.target_offsets is None:
-        out = np.zeros(max(hi - lo, 0), np.float32)  # one tokenizer: position for position
-        part = scores[max(lo - 1, 0): max(hi - 1, 0)]
-        out[: len(part)] = part
-        return out
+        return scores_from(scores, lo, hi)  # one tokenizer: position for position
     return scores_by_characters(scores, alignment.source_offsets[1: 1 + len(scores)],
-                          alignment.target_offsets[lo:hi])
+                                alignment.target_offsets[lo:hi])
+
+
+def scores_from(scores: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The scores of positions lo..hi-1 from those of positions 1.. (0 past them)."""
+    out = np.zeros(max(hi - lo, 0), np.float32)
+    part = scores[max(lo - 1, 0): max(hi - 1, 0)]
+    out[: len(part)] = part
+    return out
 
 
 def scores_by_characters(scores: np.ndarray, source_offsets, target_offsets) -> np.ndarray:

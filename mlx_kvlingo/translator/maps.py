@@ -98,8 +98,9 @@ class TranslatorSpec:
     recompute_reserve: int = 0
     # How the recompute's positions are chosen (switching.api.SELECTIONS):
     # "question", the positions the question reads at the switch, with the
-    # fact-like words; "lexical", the fact-like words only. Files written before
-    # this field: "question".
+    # fact-like words; "source", the same read by the source on its own cache;
+    # "lexical", the fact-like words only. Files written before this field:
+    # "question".
     recompute_select: str = "question"
     # The target computes its layer-0 K/V itself instead of translating them (they
     # depend only on each token and its position: exact, and cheap). The maps of
