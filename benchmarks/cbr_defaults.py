@@ -8,7 +8,8 @@ N context tokens, N timed in the same run to take as long as the switch).
         --corpus fortunes --context 512 --windows 48 --json out.json
 
 ``--variant tail=48,recompute=0.15,max=96`` (repeatable) adds a switch with other
-settings than the file's (native tail, recompute share, its cap), scored on the same
+settings than the file's (native tail, recompute share, its cap, ``select=question``:
+how its positions are chosen), scored on the same
 windows and timed in the same rounds, each against its own equal-time truncation:
 how the switch's time is best split between the tail and the recompute.
 
@@ -85,7 +86,7 @@ DEFAULTS = "switch (file defaults)"
 def parse_variant(text: str) -> Tuple[str, dict]:
     """``tail=48,recompute=0.15,max=96`` -> (its row's name, switch_text keywords)."""
     names = {"tail": ("native_tail", int), "recompute": ("recompute", float),
-             "max": ("recompute_max", int)}
+             "max": ("recompute_max", int), "select": ("select", str)}
     kw = {}
     for part in text.split(","):
         key, _, value = part.partition("=")

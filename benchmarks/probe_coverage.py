@@ -6,7 +6,9 @@ Per held-out recall item (``data.recall``), the shipped translator's switch, and
 its default budget of positions chosen by the question alone (no fact-like words):
 
 - ``tail``: the native tail and the last token read on the translated cache, the
-  last token's attention scoring (what a one-shot switch did before);
+  last token's attention scoring (what a one-shot switch did before); beside it the
+  same reading averaged per position over the layers that see it (a target with
+  sliding-window layers);
 - ``last token``: the last token alone, on a copy of the cache with the tail
   translated too (cheaper: one token read instead of 17);
 - ``first K`` / ``last K`` layers: the last-token reading scored over K of the
@@ -118,6 +120,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         tail = query.question_scores(tgt, state._cache, ids, end, lo, state.history)
         times["tail"].append(time.perf_counter() - t0)
+        tail_seen = query.question_scores(tgt, state._cache, ids, end, lo, state.history,
+                                          per_layer_seen=True)
         source_cache, source_tokens = read
         alignment = state_alignment(stok, ttok, t, item.prompt, source_tokens)
         tokens = mx.array([ids])
@@ -132,7 +136,8 @@ def main(argv=None):
             by_source = query.source_scores(src, source_cache, alignment, lo, end)
         times["source"].append(time.perf_counter() - t0)
         layers = np.stack([np.array(r) for r in per_layer.rows])[:, : end - lo]
-        ways = {"tail": tail, "last token": last[: end - lo], "source": by_source}
+        ways = {"tail": tail, "tail, mean over seeing layers": tail_seen,
+                "last token": last[: end - lo], "source": by_source}
         ways.update(source_variants(src, source_layers.rows, alignment, lo, end))
         for c in LAYER_COUNTS:
             if c < len(layers):

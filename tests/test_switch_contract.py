@@ -227,3 +227,23 @@ def test_source_scores_go_to_the_target_tokens_that_share_their_characters():
     source = [(0, 3), (3, 5), (5, 6), (6, 10), (0, 0)]  # the last: a marker, no characters
     target = [(0, 2), (2, 4), (4, 7), (7, 10), (0, 0)]
     assert scores_by_characters(scores, source, target).tolist() == [1.0, 2.0, 4.0, 4.0, 0.0]
+
+
+def test_the_targets_reading_averages_over_the_layers_that_see_a_position():
+    """The plan's own reading (select='question') scores a position by its attention
+    averaged over the layers whose view holds it, as the source's reading does: on
+    a sliding-window target (gemma3_text, windows of 8) the sum would rank a distant
+    position below recent ones for being seen by fewer layers."""
+    from mlx_kvlingo.switching.choice import RecomputeBudget, RecomputePlan
+
+    m = tiny_model("gemma3_text")
+    ids = mx.random.randint(0, 97, (30,), key=mx.random.key(5)).tolist()
+    result = switch(m, m, identity_translator(m), ids, native_tail=4, recompute=0.0)
+    cache, start, lo = result.prompt_cache, 25, 1
+    summed = question_scores(m, cache, ids, start, lo=lo)
+    averaged = question_scores(m, cache, ids, start, lo=lo, per_layer_seen=True)
+    want = question_spans(averaged, 6, lo, start)
+    assert want != question_spans(summed, 6, lo, start)  # the two rankings differ here
+    plan = RecomputePlan.make(RecomputeBudget(share=0.2), len(ids), lo, start, "question")
+    assert plan.count == 6
+    assert plan.choose(m, cache, ids, start) == want
