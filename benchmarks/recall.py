@@ -70,8 +70,6 @@ def main(argv=None):
                          lambda text: len(ttok.encode(text)), kinds=args.kinds.split(","),
                          seed=args.seed)
     budgets = [None if b == "default" else float(b) for b in args.recompute.split(",") if b]
-    if args.session and None in budgets:
-        p.error("--session takes shares; a session's default is twice its files' share")
     if args.session:
         reverse = translator_for(args.target, args.source, args.reverse_translator)
         result = measure_session_recall(

@@ -40,10 +40,12 @@ def test_an_exact_translation_recalls_as_a_re_prefill(toy_pair):
     models = {"a": (src, stok), "b": (src, stok)}
     exact = {("a", "b"): identity_translator(src, stok), ("b", "a"): identity_translator(src, stok)}
     its = items(stok)
-    result = measure_session_recall(models, exact, "a", "b", its, recompute=[0.2],
+    result = measure_session_recall(models, exact, "a", "b", its, recompute=[0.2, None],
                                     log=lambda s: None)
-    assert set(result.scores) == {REPREFILL, SWITCHED, f"{SWITCHED} + recompute 20%", NONE}
-    for name in (SWITCHED, f"{SWITCHED} + recompute 20%"):
+    defaults = f"{SWITCHED} + default recompute"  # None: the files' own budget
+    assert set(result.scores) == {REPREFILL, SWITCHED, f"{SWITCHED} + recompute 20%", defaults,
+                                  NONE}
+    for name in (SWITCHED, f"{SWITCHED} + recompute 20%", defaults):
         for x, y in zip(result.scores[REPREFILL], result.scores[name]):
             assert x.exact == y.exact and x.answer_nll == pytest.approx(y.answer_nll, abs=1e-3)
             assert x.read == y.read

@@ -20,7 +20,7 @@ would produce), the answer's NLL per token, and the seconds of B's last turn
 
 import re
 import time
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -103,7 +103,8 @@ def cue_only(session: Session, b: str, item: RecallItem) -> RecallScore:
 
 
 def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a: str, b: str,
-                           items: Sequence[RecallItem], recompute: Sequence[float] = (),
+                           items: Sequence[RecallItem],
+                           recompute: Sequence[Optional[float]] = (),
                            log: Callable[[str], None] = print) -> RecallResult:
     """Score ``items`` (see the module docstring): ``models`` name -> (model,
     tokenizer), ``translators`` (source, target) -> Translator for both directions
@@ -115,7 +116,11 @@ def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a:
         REPREFILL: lambda: Session(models),
         SWITCHED: lambda: Session(models, translators, recompute=0.0),  # not the files' default
     }
-    for share in recompute:
+    for share in recompute:  # None: the files' own budget and selection
+        if share is None:
+            settings[f"{SWITCHED} + default recompute"] = (
+                lambda: Session(models, translators))
+            continue
         settings[f"{SWITCHED} + recompute {share:.0%}"] = (
             lambda share=share: Session(models, translators, recompute=share, recompute_max=0))
     scores: Dict[str, List[RecallScore]] = {name: [] for name in settings}
