@@ -12,7 +12,8 @@ about it ("the key was hidden under the") attends to it.
 
 The reading is a probe: nothing is written to the cache. Its cost is one more pass
 of the target over the short question. The score of a context position is, summed
-over the target's layers, the largest attention any head of the question's *last*
+over the target's layers (divided by the number of layers that see it, as a switch
+reads: ``per_layer_seen``), the largest attention any head of the question's *last*
 token gives it: that token predicts the answer's first word, and a head that
 retrieves a fact puts its mass on the fact even when most heads look at the
 recent tokens (docs/design.md compares the ways of scoring that were measured).
