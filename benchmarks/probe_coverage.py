@@ -118,10 +118,10 @@ def main(argv=None):
         read = read_source(src, stok, t, item.prompt)
         state = switch_state(src, stok, tgt, ttok, t, item.prompt, None, read, 0.0, 0)
         t0 = time.perf_counter()
-        tail = query.question_scores(tgt, state._cache, ids, end, lo, state.history)
+        tail = query.question_scores(tgt, state._cache, ids, end, lo, state.history,
+                                     per_layer_seen=False)
         times["tail"].append(time.perf_counter() - t0)
-        tail_seen = query.question_scores(tgt, state._cache, ids, end, lo, state.history,
-                                          per_layer_seen=True)
+        tail_seen = query.question_scores(tgt, state._cache, ids, end, lo, state.history)
         source_cache, source_tokens = read
         alignment = state_alignment(stok, ttok, t, item.prompt, source_tokens)
         tokens = mx.array([ids])
@@ -129,7 +129,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             probed = tail_translated(src, tgt, t, source_cache, alignment, tokens,
                                      state._cache, end)
-            last = query.question_scores(tgt, probed, ids, n - 1, lo, state.history)
+            last = query.question_scores(tgt, probed, ids, n - 1, lo, state.history,
+                                         per_layer_seen=False)
             times["last token"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with _PerLayer() as source_layers:

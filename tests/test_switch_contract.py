@@ -100,7 +100,7 @@ def test_question_scores_are_the_targets_attention_over_the_context(arch):
     cache = result.prompt_cache
     before = [mx.array(c.keys) for c in cache]
     start = 25
-    scores = question_scores(m, cache, ids, start, lo=1)
+    scores = question_scores(m, cache, ids, start, lo=1, per_layer_seen=False)
     _, weights = attention_weights(m, mx.array([ids]), per_head=True)
     want = sum(np.array(w[0, :, -1, 1:start].max(axis=0)) for w in weights)
     assert scores.shape == (start - 1,)
@@ -240,8 +240,8 @@ def test_the_targets_reading_averages_over_the_layers_that_see_a_position():
     ids = mx.random.randint(0, 97, (30,), key=mx.random.key(5)).tolist()
     result = switch(m, m, identity_translator(m), ids, native_tail=4, recompute=0.0)
     cache, start, lo = result.prompt_cache, 25, 1
-    summed = question_scores(m, cache, ids, start, lo=lo)
-    averaged = question_scores(m, cache, ids, start, lo=lo, per_layer_seen=True)
+    summed = question_scores(m, cache, ids, start, lo=lo, per_layer_seen=False)
+    averaged = question_scores(m, cache, ids, start, lo=lo)
     want = question_spans(averaged, 6, lo, start)
     assert want != question_spans(summed, 6, lo, start)  # the two rankings differ here
     plan = RecomputePlan.make(RecomputeBudget(share=0.2), len(ids), lo, start, "question")

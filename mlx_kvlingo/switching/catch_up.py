@@ -274,8 +274,7 @@ def _source_reading(runs: Sequence[Run], full: Sequence[int]):
         return None
 
     def read(lo: int, hi: int) -> np.ndarray:
-        scores = question_scores(run.source, run.source_cache, full, held, 1,  # 1..held-1
-                                 per_layer_seen=True)
+        scores = question_scores(run.source, run.source_cache, full, held, 1)  # 1..held-1
         return scores_from(scores, lo, hi)
 
     return read

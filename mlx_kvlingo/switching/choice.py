@@ -167,11 +167,8 @@ class RecomputePlan:
         if read_by_source is not None:
             scores = read_by_source(lo, hi)
         else:
-            # Averaged over the layers that see each position, as the source's
-            # reading is: a sliding-window target (Gemma 3) would otherwise rank a
-            # distant fact below recent words; a model without windows ranks alike.
             scores = question_scores(target, cache, tokens, question_start, self.lo,
-                                     history, per_layer_seen=True)[lo - self.lo:]
+                                     history)[lo - self.lo:]
         return question_spans(np.asarray(scores), self.count, lo, hi,
                               keep=self.lexical, words=self.words)
 

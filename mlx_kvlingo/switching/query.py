@@ -12,8 +12,8 @@ about it ("the key was hidden under the") attends to it.
 
 The reading is a probe: nothing is written to the cache. Its cost is one more pass
 of the target over the short question. The score of a context position is, summed
-over the target's layers (divided by the number of layers that see it, as a switch
-reads: ``per_layer_seen``), the largest attention any head of the question's *last*
+over the target's layers (divided by the number of layers that see it:
+``per_layer_seen``), the largest attention any head of the question's *last*
 token gives it: that token predicts the answer's first word, and a head that
 retrieves a fact puts its mass on the fact even when most heads look at the
 recent tokens (docs/design.md compares the ways of scoring that were measured).
@@ -47,16 +47,17 @@ MIN_QUESTION = 16
 
 def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start: int,
                     lo: int = 1, history: Optional[dict] = None,
-                    per_layer_seen: bool = False) -> np.ndarray:
+                    per_layer_seen: bool = True) -> np.ndarray:
     """How much the target, reading ``tokens[start:]`` (the question) on ``cache``,
     attends to each position lo..start-1 (see the module's docstring): an array of
     start - lo scores. ``cache`` holds ``tokens[:end]`` for some end >= start - 1;
     question positions it holds are read again, the others after them, as in a
     recompute pass (:class:`~.recompute._PassView`): the cache is left as it was.
     ``history``: rows older than a sliding layer keeps (kernel.History.layers).
-    ``per_layer_seen``: each position's sum divided by the number of layers whose
-    view holds it (a sliding-window layer does not see a distant position, which
-    the sum would rank below recent ones for that alone)."""
+    ``per_layer_seen`` (what a switch and a catch-up use): each position's sum
+    divided by the number of layers whose view holds it (a sliding-window layer does
+    not see a distant position, which the sum would rank below recent ones for that
+    alone); False: the plain sum."""
     end = min(c.offset for c in cache)
     top = len(tokens)
     if not lo <= start <= end + 1 or start >= top or end > top:
@@ -112,8 +113,7 @@ def source_scores(source: nn.Module, source_cache: List, alignment: Alignment, l
     scores go from source to target tokens by characters (a target token takes the
     largest score of the source tokens it shares a character with)."""
     ids = alignment.source_tokens
-    scores = question_scores(source, source_cache, ids, len(ids) - 1, 1,  # positions 1..
-                             per_layer_seen=True)
+    scores = question_scores(source, source_cache, ids, len(ids) - 1, 1)  # positions 1..
     if alignment.source_offsets is None or alignment.target_offsets is None:
         return scores_from(scores, lo, hi)  # one tokenizer: position for position
     return scores_by_characters(scores, alignment.source_offsets[1: 1 + len(scores)],
