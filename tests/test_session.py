@@ -423,3 +423,74 @@ def test_a_catch_up_recomputes_a_fact_like_word_at_its_very_end(target):
     s.read("a", "It rained. The code is 58213")
     s.read("b", " and then?")
     assert s.reports[-1].recomputed > 0
+
+
+@pytest.mark.parametrize("arch", ["toy", "gemma3_text"])
+def test_a_catch_up_recomputes_what_an_earlier_turn_translated(target, arch):
+    """The fact a question needs may have been translated turns before: a catch-up
+    chooses its recompute among every position the reader still holds translated,
+    not only those it translates now. With the whole conversation's budget it
+    leaves none, and those of the first turn are then the reader's own rows. On
+    Gemma-style sliding layers (windows of 8) that takes the rows the session kept
+    for them after the window dropped them; without those, they stay translated."""
+    from tiny import tiny_model
+
+    from mlx_kvlingo.models.geometry import cache_geometry
+    from mlx_kvlingo.pairs.toy import VOCAB_SIZE
+
+    m, tok = target
+    if arch != "toy":
+        m = tiny_model(arch, vocab_size=VOCAB_SIZE)
+    first = "The parser keeps its scratch files under the piano in the hall."
+    pieces = [("b", " It rained all day and then it stopped, and the roads were wet."),
+              ("a", " The train was late and the station was cold that evening.")]
+
+    def conversation(keep_rows=True):
+        inexact = {("a", "b"): identity_translator(m, tok, scale=0.5),
+                   ("b", "a"): identity_translator(m, tok, scale=0.5)}
+        s = Session({"a": (m, tok), "b": (m, tok)}, inexact, recompute=0.0)
+        if not keep_rows:
+            s.entry("b").kept = None
+        s.read("a", first)
+        for name, text in pieces:
+            s.read(name, text)
+        earlier = list(s.transcript.still_translated["b"])
+        s.recompute, s.recompute_max = 1.0, 0
+        s.read("b", " Where are the scratch files?")
+        return s, earlier
+
+    s, earlier = conversation()
+    n = len(tok.encode(first))
+    assert earlier and earlier[0][0] <= 2 and earlier[0][1] >= n - 2  # the first turn's
+    assert s.reports[-1].recomputed >= sum(b - a for a, b in earlier)
+    assert s.transcript.still_translated["b"] == []
+    native = prefill(m, mx.array(tok.encode(first))[None])
+    full = [i for i, lg in enumerate(cache_geometry(m).layers) if not lg.window]
+    for i in full:
+        got = s.cache("b")[i].keys[..., 1:n - 1, :]
+        assert mx.abs(got - native[i].keys[..., 1:n - 1, :]).max().item() < 1e-4
+    if arch != "toy":
+        s, earlier = conversation(keep_rows=False)
+        left = s.transcript.still_translated["b"]
+        assert left and left[0][0] < 8  # older than a window: out of reach
+
+
+def test_a_turn_that_translates_nothing_still_recomputes_what_was_translated(target):
+    """A model that reads on after its own turn translates nothing new, but its
+    question may need what an earlier catch-up translated: those positions are
+    chosen as in any catch-up; a conversation without translated positions
+    recomputes nothing."""
+    m, tok = target
+    inexact = {("a", "b"): identity_translator(m, tok, scale=0.5)}
+    s = Session({"a": (m, tok), "b": (m, tok)}, inexact, recompute=0.0)
+    s.read("a", "The parser keeps its scratch files under the piano in the hall.")
+    s.read("b", " It rained all day.")
+    earlier = list(s.transcript.still_translated["b"])
+    assert earlier and s.reports[-1].recomputed == 0
+    s.recompute, s.recompute_max = 1.0, 0
+    s.read("b", " Where are the files?")
+    assert s.reports[-1].translated == 0
+    assert s.reports[-1].recomputed >= sum(b - a for a, b in earlier)
+    assert s.transcript.still_translated["b"] == []
+    s.read("b", " Under the")
+    assert s.reports[-1].recomputed == 0

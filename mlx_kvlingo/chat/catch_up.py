@@ -44,13 +44,17 @@ def catch_up_turn(session, name: str, end: int, report: TurnReport,
                         recompute_max=session.recompute_max,
                         judge=judge if gate is not None else None,
                         judge_tokens=gate.tokens if gate is not None else 0,
-                        break_even=_break_even(session, runs, entry.model))
+                        break_even=_break_even(session, runs, entry.model),
+                        earlier=view.still_translated[name],
+                        earlier_translators=_translators_to(session, name),
+                        kept=entry.kept)
     except BaseException:
         # Interrupted (Ctrl-C) or failed half-way: layers may disagree. Start this
         # model's cache afresh; its next turn catches up from the beginning.
         entry.cache = make_prompt_cache(entry.model)
         view.processed[name] = 0
         view.translated[name] = 0
+        view.still_translated[name] = []
         raise
     _record(session, name, start, end, done, report)
     return done.result
@@ -63,6 +67,13 @@ def _break_even(session, runs: List[Run], model) -> int:
         return session.break_even
     found = [stored_break_even(r.translator, model) for r in runs if r.translator is not None]
     return max([n for n in found if n is not None], default=0)
+
+
+def _translators_to(session, name: str) -> list:
+    """The translators into ``name`` (those that may have written its translated
+    positions of earlier turns)."""
+    return [t for w in session.model_names if w != name
+            for t in [session.translator(w, name)] if t is not None]
 
 
 def _runs(session, name: str, start: int, end: int, report: TurnReport) -> List[Run]:
@@ -119,6 +130,8 @@ def _record(session, name: str, start: int, end: int, done: CatchUp, report: Tur
     view.translated[name] += done.translated_total
     if done.translated_total:
         view.mark_foreign(name, start, end)
+    view.still_translated[name] = _without(view.still_translated[name] + done.translated_spans,
+                                           done.recomputed_spans)
     report.translated += done.translated_total
     for writer, n in done.translated.items():
         report.translated_from[writer] = report.translated_from.get(writer, 0) + n
@@ -131,6 +144,18 @@ def _record(session, name: str, start: int, end: int, done: CatchUp, report: Tur
         report.gate = done.gate
     if done.fallback:
         report.fallback = done.fallback
+
+
+def _without(ranges, removed) -> list:
+    """``ranges`` less the positions of ``removed`` (both lists of (lo, hi))."""
+    out = []
+    for a, b in ranges:
+        pieces = [(a, b)]
+        for c, d in removed:
+            pieces = [q for x, y in pieces
+                      for q in ((x, min(y, c)), (max(x, d), y)) if q[1] > q[0]]
+        out += pieces
+    return sorted(out)
 
 
 def restore(session, name: str, length: int):

@@ -50,9 +50,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import KvlingoError
 from ..models.cache import cache_length, trim_cache_to
-from ..models.geometry import tokenizer_fingerprint
+from ..models.geometry import cache_geometry, tokenizer_fingerprint
 from ..switching.api import RecomputeBudget, SwitchResult
 from ..switching.generate import generate_after_switch
+from ..switching.kernel import History
 from ..translator.maps import Translator
 from .catch_up import catch_up_turn, restore
 from .transcript import TEMPLATE, Span, Transcript, ids_offsets
@@ -75,6 +76,10 @@ class _Entry:
     tokenizer: object
     cache: List
     fingerprint: str = ""
+    # A model with sliding-window layers: the rows those layers no longer hold,
+    # kept across turns so that a catch-up may recompute a position translated
+    # turns ago (it reads the rows of a window before it). None: no such layers.
+    kept: Optional[History] = None
 
 
 class Session:
@@ -170,7 +175,8 @@ class Session:
         # Weights left lazy (e.g. a dtype cast after loading) would be bound to the
         # loading thread's stream; materialize them so any thread can run turns.
         mx.eval(model.parameters())
-        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model), fp)
+        self._models[name] = _Entry(model, tokenizer, make_prompt_cache(model), fp,
+                                    _kept_rows(model))
         self._view_of[name] = self._views[fp]
         self._views[fp].add_model(name)
 
@@ -193,7 +199,7 @@ class Session:
             s._views[fp] = Transcript(v.tokenizer, self._use_template)
         for name, e in self._models.items():
             s._models[name] = _Entry(e.model, e.tokenizer, make_prompt_cache(e.model),
-                                     e.fingerprint)
+                                     e.fingerprint, _kept_rows(e.model))
             s._view_of[name] = s._views[e.fingerprint]
             s._view_of[name].add_model(name)
         s._translators = dict(self._translators)
@@ -209,6 +215,8 @@ class Session:
             s._views = {fp: v.copy() for fp, v in self._views.items()}
             for name, e in self._models.items():
                 s._models[name].cache = [_copy_layer(c) for c in e.cache]
+                if e.kept is not None:  # values: the copy's rows stay apart
+                    s._models[name].kept = History(e.kept.since, dict(e.kept.layers))
                 s._view_of[name] = s._views[e.fingerprint]
             s.messages = [dict(m) for m in self.messages]
             s._message_pieces = list(self._message_pieces)
@@ -228,9 +236,13 @@ class Session:
             v.template_kwargs = {"tools": tools} if tools else {}
 
     def nbytes(self) -> int:
-        """Bytes the models' caches of this conversation hold."""
-        return sum(c.nbytes for e in self._models.values() for c in e.cache
+        """Bytes the models' caches of this conversation hold (with the rows kept
+        for the sliding-window layers' recompute)."""
+        held = sum(c.nbytes for e in self._models.values() for c in e.cache
                    if getattr(c, "keys", None) is not None)
+        kept = sum(k.nbytes + v.nbytes for e in self._models.values() if e.kept is not None
+                   for _, k, v in e.kept.layers.values())
+        return held + kept
 
     @property
     def model_names(self) -> List[str]:
@@ -367,11 +379,13 @@ class Session:
                 raise KvlingoError("Nothing to read: the token list is empty.")
             t0 = time.perf_counter()
             report = TurnReport(index=len(self.reports), model=model, kind="read", wait_s=wait_s)
+            switched = None
             if L:
                 if view.processed[model] >= L:  # it wrote the last token: re-read it
                     restore(self, model, L - 1)
-                self._catch_up(model, L - 1, report).read_all()
                 inputs = [view.tokens[-1]] + tokens[:-1]
+                # What it reads chooses the recompute, as a turn's new messages do.
+                switched = self._catch_up(model, L - 1, report, question=inputs)
             else:
                 inputs = tokens
             piece = self._new_piece()
@@ -382,7 +396,10 @@ class Session:
             report.context_tokens = L
             report.new_tokens = len(tokens)
             report.prefilled += len(inputs)
-            logits = entry.model(mx.array(inputs)[None], cache=entry.cache)[0]
+            if switched is not None:  # the first pass: native tail, recompute, then inputs
+                logits = switched.read(entry.model, keep=len(inputs))[0]
+            else:
+                logits = entry.model(mx.array(inputs)[None], cache=entry.cache)[0]
             logits = logits.astype(mx.float32)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             mx.eval(logprobs)
@@ -561,6 +578,8 @@ class Session:
                 for r in responses:
                     if report.ttft_s is None:
                         report.ttft_s = time.perf_counter() - t0
+                        # The first pass's rows, before decoding pushes them out.
+                        self._keep_rows(name)
                     view.append([r.token], name, "generated", [piece])
                     report.generated += 1
                     report.text += r.text
@@ -643,6 +662,18 @@ class Session:
         mx.synchronize(generation_stream)
         mx.synchronize()
         self._sync(name)
+        self._keep_rows(name)
+
+    def _keep_rows(self, name: str):
+        """Keep the rows ``name``'s sliding-window layers hold now, before later
+        positions push them out (``_Entry.kept``): after a turn, and after an
+        answer's first pass (its rows are all held until decoding starts)."""
+        entry = self._models[name]
+        length = cache_length(entry.cache)
+        if entry.kept is None or not length:
+            return
+        entry.kept.record(entry.model, entry.cache, 0, length)
+        mx.eval([a for _, k, v in entry.kept.layers.values() for a in (k, v)])
 
     def _sync(self, name: str):
         """Make the bookkeeping agree with the cache (which never holds more than
@@ -656,6 +687,14 @@ class Session:
             restore(self, name, length)
         view.processed[name] = length
         view.clip_foreign(name)
+
+
+def _kept_rows(model) -> Optional[History]:
+    """An empty store of rows from position 0 for a model with sliding-window
+    layers (None for one without)."""
+    if any(lg.window for lg in cache_geometry(model).layers):
+        return History(since=1)
+    return None
 
 
 def _copy_layer(layer):

@@ -61,6 +61,9 @@ class Transcript:
         # translated, whole: its native tail and recomputed words included), so
         # what counts as an exact cache hit stays positional across truncations.
         self.foreign: Dict[str, List[Tuple[int, int]]] = {}
+        # Per model: ranges of its cache that still hold translated rows (neither its
+        # native tail nor recomputed since): what a later catch-up may recompute.
+        self.still_translated: Dict[str, List[Tuple[int, int]]] = {}
         self.template_kwargs: dict = {}  # more arguments for the chat template (tools)
         self.last_token_eos = False
 
@@ -71,6 +74,7 @@ class Transcript:
         self.processed.setdefault(name, 0)
         self.translated.setdefault(name, 0)
         self.foreign.setdefault(name, [])
+        self.still_translated.setdefault(name, [])
 
     def copy(self) -> "Transcript":
         """An independent copy (the tokenizer shared)."""
@@ -81,6 +85,7 @@ class Transcript:
         out.message_ends = list(self.message_ends)
         out.processed, out.translated = dict(self.processed), dict(self.translated)
         out.foreign = {name: list(r) for name, r in self.foreign.items()}
+        out.still_translated = {name: list(r) for name, r in self.still_translated.items()}
         out.template_kwargs = dict(self.template_kwargs)
         out.last_token_eos = self.last_token_eos
         return out
@@ -91,9 +96,12 @@ class Transcript:
             self.foreign[name].append((start, end))
 
     def clip_foreign(self, name: str):
-        """Forget foreign ranges beyond what ``name``'s cache holds now."""
+        """Forget foreign (and still translated) ranges beyond what ``name``'s cache
+        holds now."""
         held = self.processed[name]
         self.foreign[name] = [(a, min(b, held)) for a, b in self.foreign[name] if a < held]
+        self.still_translated[name] = [(a, min(b, held)) for a, b in
+                                       self.still_translated[name] if a < held]
 
     def own_positions(self, name: str) -> int:
         """Positions of ``name``'s cache that it computed itself (an exact cache)."""

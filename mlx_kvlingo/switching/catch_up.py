@@ -7,7 +7,8 @@ a chain: no position passes through two translators), the others are computed by
 the reader itself. Then, as in a one-shot switch (:func:`.api.switch`), the
 reader computes the last ``m`` positions natively (the translators' native
 tail), recomputes the translated positions the question reads
-(:mod:`.choice`), and reads the question — the turn's new messages — in the same
+(:mod:`.choice`: those it translates now and those earlier catch-ups translated
+that are still translated), and reads the question — the turn's new messages — in the same
 first pass. The result is a :class:`~.api.SwitchResult`: ``prompt`` and
 ``prompt_cache`` for mlx-lm, or :func:`~.generate.generate_after_switch`.
 
@@ -37,7 +38,7 @@ from .api import SwitchResult, translate_aligned, translate_span
 from .choice import RecomputeBudget, RecomputePlan, resolve_select, whole_context_from
 from .kernel import History
 from .query import question_scores, scores_from
-from .recompute import recompute_spans, token_offsets
+from .recompute import Span, recompute_spans, token_offsets
 
 
 @dataclass
@@ -81,6 +82,11 @@ class CatchUp:
     native_tail: int = 0
     recomputed: int = 0
     warnings: List[str] = field(default_factory=list)
+    # Positions this catch-up translated (its native tail and the reader's own
+    # positions left out) and those the reader recomputes in its first pass, which
+    # may lie in earlier turns (``earlier``).
+    translated_spans: List[Span] = field(default_factory=list)
+    recomputed_spans: List[Span] = field(default_factory=list)
     gate: Optional[dict] = None
     fallback: Optional[str] = None
     seconds: float = 0.0
@@ -94,7 +100,9 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
              runs: Sequence[Run], question: Sequence[int] = (), tokenizer=None,
              recompute: Optional[float] = None, recompute_max: Optional[int] = None,
              select: Optional[str] = None, judge: Optional[Judge] = None,
-             judge_tokens: int = 0, break_even: int = 0) -> CatchUp:
+             judge_tokens: int = 0, break_even: int = 0, earlier: Sequence[Span] = (),
+             earlier_translators: Sequence[Translator] = (),
+             kept: Optional[History] = None) -> CatchUp:
     """Extend ``cache`` (holding ``tokens[:start]``) over ``runs`` (consecutive,
     from ``start`` to ``end``, the last run's ``hi``), then leave the native tail
     and ``question`` (the tokens read next, not in ``tokens``) to the reader's first
@@ -106,7 +114,17 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
     fact-like words. ``judge`` / ``judge_tokens``: the quality gate and how many
     of the last positions it scores (at least 2 to judge). ``break_even``: when
     the runs to translate hold fewer positions, the reader computes them itself
-    instead (a shorter switch costs more than it saves: switching.break_even)."""
+    instead (a shorter switch costs more than it saves: switching.break_even).
+
+    ``earlier``: ranges of positions before ``start`` that hold rows translated by
+    earlier catch-ups (by ``earlier_translators``) and not recomputed since: the
+    question chooses its recompute among them too (the fact it asks about may have
+    been translated turns ago), also when this catch-up translates nothing (the
+    whole budget is then theirs; a turn whose cache holds no translated position
+    recomputes nothing). ``kept``: the reader's
+    rows its sliding-window layers no longer hold, kept across turns (a
+    :class:`~.kernel.History` from position 0, extended here as runs are written)
+    so that the recompute may reach positions older than a window."""
     t0 = time.perf_counter()
     end = runs[-1].hi if runs else start
     _check_runs(runs, start, end)
@@ -120,9 +138,12 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
     g = judge_tokens if judge is not None else 0
     m = min(max([g] + [s.native_tail for s in specs]), end - start) if translators else 0
     g = min(g, m) if g >= 2 else 0
-    plan = _plan(tokens, start, end - m, specs, recompute, recompute_max, select, tokenizer,
-                 question=bool(question) or m > 0)
-    history = plan.history()
+    earlier = [(a, min(b, start)) for a, b in earlier if a < min(b, start)]
+    plan = _plan(tokens, start, end - m, specs + [t.spec for t in earlier_translators],
+                 recompute, recompute_max, select, tokenizer,
+                 question=bool(question) or m > 0, earlier=earlier,
+                 translating=bool(translators))
+    history = kept if kept is not None else plan.history()
     if history is not None:  # rows held from earlier turns, before new runs push them out
         history.record(model, cache, 0, start)
     out = CatchUp(SwitchResult(cache, mx.array([], mx.int32), 0.0, model), cache, start,
@@ -133,7 +154,12 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
         mx.eval([(c.keys, c.values) for c in out.cache])
     if not out.translated_total:  # nothing translated: the reader computes the rest too
         _prefill(model, out, tokens, out.held, end)
-        out.result = _pending(out, model, question, tokens, end)
+        # The question may still need what an earlier turn translated.
+        spans = _choose(model, out.cache, tokens, plan, history, question) if earlier else []
+        out.recomputed = sum(b - a for a, b in spans)
+        out.recomputed_spans = list(spans)
+        out.result = _pending(out, model, question, tokens, end, spans,
+                              history.layers if history is not None else {})
     else:
         out.native_tail = m
         tail = list(tokens[end - m:end])
@@ -142,6 +168,7 @@ def catch_up(model: nn.Module, cache: List, tokens: Sequence[int], start: int,
         spans = _choose(model, out.cache, tokens, plan, history, tail + list(question),
                         by_source)
         out.recomputed = sum(b - a for a, b in spans)
+        out.recomputed_spans = list(spans)
         layers = history.layers if history is not None else {}
         if g:  # the gate reads the tail first: recompute now, then judge
             recompute_spans(model, out.cache, tokens, spans, layers)
@@ -169,16 +196,26 @@ def _check_runs(runs: Sequence[Run], start: int, end: int):
 
 
 def _plan(tokens, lo: int, hi: int, specs, recompute, recompute_max, select, tokenizer,
-          question: bool) -> RecomputePlan:
-    """What to recompute of the positions lo..hi-1 about to be translated (made
-    before the translation: it keeps the rows the recompute reads that
-    sliding-window layers drop)."""
+          question: bool, earlier: Sequence[Span] = (),
+          translating: bool = True) -> RecomputePlan:
+    """What to recompute of the positions lo..hi-1 about to be translated
+    (``translating``; else the reader computes them), and of ``earlier`` translated
+    ones the question may choose (made before the translation: it keeps the rows
+    the recompute reads that sliding-window layers drop). The fact-like words are
+    looked for in lo..hi-1 only: earlier turns' were chosen when they were
+    translated."""
     budget = RecomputeBudget.of(specs, recompute, recompute_max)
-    if not specs or not budget.positions(hi) or hi - lo < 2:
+    first = min([lo] + [a for a, _ in earlier])
+    if (not specs or not budget.positions(hi) or hi - first < 2
+            or not (translating or earlier)):
         return RecomputePlan()
-    text = token_offsets(tokenizer, tokens[lo:hi]) if tokenizer is not None else None
-    return RecomputePlan.make(budget, hi, max(lo, 1), hi, resolve_select(specs, select), text,
-                              text_from=lo, question=question)
+    text = (token_offsets(tokenizer, tokens[lo:hi])
+            if tokenizer is not None and translating else None)
+    plan = RecomputePlan.make(budget, hi, max(first, 1), hi, resolve_select(specs, select),
+                              text, text_from=lo, question=question)
+    if earlier and plan.by_question:
+        plan.allowed = list(earlier) + ([(lo, hi)] if translating else [])
+    return plan
 
 
 def _clip(runs: Sequence[Run], end: int) -> List[Run]:
@@ -217,6 +254,26 @@ def _add_run(model, tokens, run: Run, history: Optional[History], out: CatchUp):
     out.held = run.hi
     out.prefilled += native
     out.translated[run.writer] = out.translated.get(run.writer, 0) + run.hi - run.lo - native
+    out.translated_spans += _translated_positions(run)
+
+
+def _translated_positions(run: Run) -> List[Span]:
+    """The ranges of ``run`` its translator wrote (not the reader's own positions:
+    the native prefix, template tokens an alignment leaves to the reader)."""
+    prefix = run.translator.spec.native_prefix
+    if run.alignment is None:
+        lo = min(max(prefix, run.lo), run.hi)
+        return [(lo, run.hi)] if run.hi > lo else []
+    index = run.alignment.with_native_prefix(prefix).source_index
+    spans: List[Span] = []
+    for p in range(run.lo, run.hi):
+        if index[p] == NATIVE:
+            continue
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
 
 
 def _start_over_at(model, out: CatchUp, tokens, length: int):
@@ -291,6 +348,7 @@ def _judge(model, tokens, start: int, end: int, g: int, judge: Judge, translator
     if decision.fallback:
         out.fallback = decision.reason
         out.prefilled, out.translated = 0, {}  # all of them are counted again below
+        out.translated_spans, out.recomputed_spans = [], []
         _start_over_at(model, out, tokens, start)
         _prefill(model, out, tokens, start, end)
 

@@ -119,6 +119,9 @@ class RecomputePlan:
     lexical: List[Span] = field(default_factory=list)
     by_question: bool = False
     words: List[Span] = field(default_factory=list)  # multi-token words, to widen to
+    # The positions the question may choose (None: all of lo..hi-1): a catch-up's
+    # translated ones, those of earlier turns included, not the reader's own.
+    allowed: Optional[List[Span]] = None
 
     @classmethod
     def make(cls, budget: RecomputeBudget, n: int, lo: int, hi: int, select: str,
@@ -127,7 +130,8 @@ class RecomputePlan:
         """The plan for an n-token context whose positions lo..hi-1 are translated.
         ``text``: (text, each token's characters) of positions text_from.. (None:
         no fact-like words); ``question``: whether a question will be read after
-        the translation (without one the fact-like words take the whole budget)."""
+        the translation (without one the fact-like words take the whole budget).
+        The fact-like words are chosen among the positions ``text`` covers."""
         count = min(budget.positions(n), max(hi - lo, 0))
         if not count:
             return cls()
@@ -135,11 +139,12 @@ class RecomputePlan:
         lexical, words = [], []
         if text is not None:
             share = int(count * LEXICAL_SHARE) if by_question else count
+            first = max(lo, text_from) - text_from
             lexical = [(a + text_from, b + text_from) for a, b in salient_spans(
-                text[0], text[1], share, lo - text_from, hi - text_from)]
+                text[0], text[1], share, first, hi - text_from)]
             if by_question and select == "question-words":
                 words = [(a + text_from, b + text_from) for a, b in word_spans(
-                    text[0], text[1], lo - text_from, hi - text_from)]
+                    text[0], text[1], first, hi - text_from)]
         return cls(count, lo, hi, lexical, by_question, words)
 
     def history(self) -> Optional[History]:
@@ -169,8 +174,21 @@ class RecomputePlan:
         else:
             scores = question_scores(target, cache, tokens, question_start, self.lo,
                                      history)[lo - self.lo:]
-        return question_spans(np.asarray(scores), self.count, lo, hi,
-                              keep=self.lexical, words=self.words)
+        scores = self._only_allowed(np.asarray(scores, np.float32), lo, hi)
+        return question_spans(scores, self.count, lo, hi, keep=self.lexical,
+                              words=self.words)
+
+    def _only_allowed(self, scores: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``scores`` of positions lo..hi-1, those outside ``allowed`` made -inf (never
+        chosen, though a chosen position's neighbour may be one of them)."""
+        if self.allowed is None:
+            return scores
+        keep = np.zeros(len(scores), bool)
+        for a, b in self.allowed:
+            a, b = max(a, lo), min(b, hi)
+            if b > a:
+                keep[a - lo:b - lo] = True
+        return np.where(keep[:len(scores)], scores[:len(keep)], -np.inf)
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:

@@ -202,6 +202,8 @@ def question_spans(scores: np.ndarray, count: int, lo: int, hi: int,
     n = min(len(scores), hi - lo)
     order = np.argsort(-scores[:n], kind="stable")
     for i in order[: 4 * count]:
+        if not np.isfinite(scores[i]):  # not a position to choose (RecomputePlan.allowed)
+            break
         p = lo + int(i)
         # The position with its neighbours, or alone where they do not fit.
         a, b = word_of.get(p, (p, p + 1))
