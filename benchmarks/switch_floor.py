@@ -4,6 +4,8 @@ process (shipped translators and their defaults; Austen text).
 
     python benchmarks/switch_floor.py --tokens 550,1100,2048 --rounds 5 \
         --json benchmarks/results/switch-floor-DATE.json
+    python benchmarks/switch_floor.py --tokens 550 \
+        --pairs smollm2:gemma3,smollm2:gemma3@narrow.safetensors  # a file beside the shipped
 
 Parts (medians of ``--rounds`` after a warm-up round, each a share of the re-prefill):
 
@@ -36,6 +38,7 @@ from mlx_kvlingo.pairs.shipped import load_shipped
 from mlx_kvlingo.switching.api import switch_text
 from mlx_kvlingo.switching.generate import first_step
 from mlx_kvlingo.translator.align import tokenize_with_offsets
+from mlx_kvlingo.translator.maps import load_translator
 
 
 def time_parts(src, stok, tgt, ttok, translator, n: int, rounds: int,
@@ -100,7 +103,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="550,1100,2048")
     ap.add_argument("--pairs", default="smollm2:gemma3,gemma3:smollm2",
-                    help="SOURCE:TARGET pairs with shipped translators, comma-separated")
+                    help="SOURCE:TARGET pairs, comma-separated, with the shipped translator "
+                    "or SOURCE:TARGET@FILE with another (timed in the same run as the others)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--select", default=None,
                     help="how the switch chooses what to recompute (default: the file's; "
@@ -109,10 +113,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     results = {}
     for pair in args.pairs.split(","):
+        pair, _, path = pair.partition("@")
         source, target = pair.split(":")
         src, stok, tgt, ttok = load_pair(source, target)
-        translator = load_shipped(source, target)
-        name = f"{source} -> {target}"
+        translator = load_translator(path) if path else load_shipped(source, target)
+        name = f"{source} -> {target}" + (f" ({Path(path).name})" if path else "")
         results[name] = {}
         for n in (int(x) for x in args.tokens.split(",")):
             results[name][n] = time_parts(src, stok, tgt, ttok, translator, n, args.rounds,
