@@ -470,6 +470,10 @@ def test_a_catch_up_recomputes_what_an_earlier_turn_translated(target, arch):
         got = s.cache("b")[i].keys[..., 1:n - 1, :]
         assert mx.abs(got - native[i].keys[..., 1:n - 1, :]).max().item() < 1e-4
     if arch != "toy":
+        assert s.nbytes() > sum(c.nbytes for c in s.cache("b")) + sum(
+            c.nbytes for c in s.cache("a"))  # the kept rows count
+        s.reset()
+        assert s.nbytes() == 0
         s, earlier = conversation(keep_rows=False)
         left = s.transcript.still_translated["b"]
         assert left and left[0][0] < 8  # older than a window: out of reach

@@ -498,7 +498,7 @@ class Session:
             fresh = Transcript(v.tokenizer, self._use_template)
             for name in v.processed:
                 e = self._models[name]
-                e.cache = make_prompt_cache(e.model)
+                e.cache, e.kept = make_prompt_cache(e.model), _kept_rows(e.model)
                 fresh.add_model(name)
                 self._view_of[name] = fresh
             self._views[fp] = fresh
