@@ -185,10 +185,8 @@ class RecomputePlan:
             return scores
         keep = np.zeros(len(scores), bool)
         for a, b in self.allowed:
-            a, b = max(a, lo), min(b, hi)
-            if b > a:
-                keep[a - lo:b - lo] = True
-        return np.where(keep[:len(scores)], scores[:len(keep)], -np.inf)
+            keep[max(a - lo, 0):max(b - lo, 0)] = True
+        return np.where(keep, scores, -np.inf)
 
 
 def whole_context_from(model, cache: List, history: dict) -> int:
