@@ -9,9 +9,11 @@ N context tokens, N timed in the same run to take as long as the switch).
 
 ``--variant tail=48,recompute=0.15,max=96`` (repeatable) adds a switch with other
 settings than the file's (native tail, recompute share, its cap, ``select=question``:
-how its positions are chosen), scored on the same
-windows and timed in the same rounds, each against its own equal-time truncation:
-how the switch's time is best split between the tail and the recompute.
+how its positions are chosen; ``file=PATH``: another translator file, with its own
+defaults unless the variant sets them), scored on the same windows and timed in the
+same rounds, each against its own equal-time truncation and, paired, against the
+file's defaults: how the switch's time is best split between the tail and the
+recompute, or which of two files keeps more.
 
 Windows: ``--context`` target tokens of the corpus (the whole corpus: fortunes are
 quotations, verse and dialogue that no shipped file read) followed by
@@ -86,7 +88,8 @@ DEFAULTS = "switch (file defaults)"
 def parse_variant(text: str) -> Tuple[str, dict]:
     """``tail=48,recompute=0.15,max=96`` -> (its row's name, switch_text keywords)."""
     names = {"tail": ("native_tail", int), "recompute": ("recompute", float),
-             "max": ("recompute_max", int), "select": ("select", str)}
+             "max": ("recompute_max", int), "select": ("select", str),
+             "file": ("translator", load_translator)}
     kw = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
@@ -115,8 +118,9 @@ def score_window(src, stok, tgt, ttok, translator, text, continuation, truncatio
     switches = {DEFAULTS: {}, **(variants or {}),
                 "translation alone": {"native_tail": 0, "recompute": 0.0}}
     for label, kw in switches.items():
-        result = switch_text(src, stok, tgt, ttok, translator, text, source_cache=source_cache,
-                             source_tokens=source_tokens, **kw)
+        kw = dict(kw)
+        result = switch_text(src, stok, tgt, ttok, kw.pop("translator", translator), text,
+                             source_cache=source_cache, source_tokens=source_tokens, **kw)
         logits = result.read(tgt, extra=continuation[:-1], keep=len(continuation))[0]
         out[label] = nll(logits, continuation)
     for n in truncations:
@@ -138,8 +142,9 @@ def switch_seconds(src, stok, tgt, ttok, translator, text, rounds: int, variants
     mx.eval([(c.keys, c.values) for c in cache])
 
     def switched(**kw):
-        first_step(tgt, switch_text(src, stok, tgt, ttok, translator, text, source_cache=cache,
-                                    source_tokens=source_tokens, **kw))
+        kw = dict(kw)
+        first_step(tgt, switch_text(src, stok, tgt, ttok, kw.pop("translator", translator), text,
+                                    source_cache=cache, source_tokens=source_tokens, **kw))
 
     def reprefill(n):
         kept = mx.array(truncated_ids(ids, n, bos))[None]
@@ -224,6 +229,12 @@ def main(argv=None):
                         "equal_time_tokens": n_eq[name], "minus_equal_time": [diff] + diff_ci}
         print(f"{name} ({switch_s[name] / full:.2f} of the re-prefill) - {eq}, paired: "
               f"{diff:+.1%} [{diff_ci[0]:+.1%}, {diff_ci[1]:+.1%}]")
+        if name != DEFAULTS:
+            gain = cbr(rows, name) - cbr(rows, DEFAULTS)
+            gain_ci = resampled(rows, name, DEFAULTS)
+            versus[name]["minus_defaults"] = [gain] + gain_ci
+            print(f"{name} - {DEFAULTS}, paired: {gain:+.1%} [{gain_ci[0]:+.1%}, "
+                  f"{gain_ci[1]:+.1%}]")
     if args.json:
         args.json.write_text(json.dumps({
             "environment": environment(), "command": " ".join(sys.argv),
