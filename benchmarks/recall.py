@@ -53,6 +53,9 @@ def main(argv=None):
                    "source reads the fact, the target the next piece, the source the next, "
                    "the target the cue; needs translators both ways (--translator and "
                    "--reverse-translator, default: the shipped ones)")
+    p.add_argument("--break-even", type=int, default=None,
+                   help="with --session: also the files' defaults in a session whose "
+                   "catch-ups prefill under this many translated positions")
     p.add_argument("--reverse-translator", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -75,7 +78,7 @@ def main(argv=None):
         result = measure_session_recall(
             {args.source: (src, stok), args.target: (tgt, ttok)},
             {(args.source, args.target): translator, (args.target, args.source): reverse},
-            args.source, args.target, items, recompute=budgets)
+            args.source, args.target, items, recompute=budgets, break_even=args.break_even)
     else:
         result = measure_recall(src, stok, tgt, ttok, translator, items,
                                 native_tail=args.native_tail, recompute=budgets,

@@ -56,3 +56,20 @@ def test_an_exact_translation_recalls_as_a_re_prefill(toy_pair):
                for x, y in zip(result.scores[REPREFILL], broken.scores[SWITCHED]))
     with pytest.raises(KvlingoError, match="b -> a"):
         measure_session_recall(models, {("a", "b"): exact[("a", "b")]}, "a", "b", its)
+
+
+def test_a_session_under_its_break_even_prefills_what_it_would_translate(toy_pair):
+    """With translators that carry nothing, the files' defaults lose the fact; the
+    same defaults in a session whose break-even no catch-up reaches prefill every
+    catch-up and recall as the re-prefilled conversation."""
+    src, stok, _, _ = toy_pair
+    models = {"a": (src, stok), "b": (src, stok)}
+    nothing = {("a", "b"): identity_translator(src, stok, scale=0.0),
+               ("b", "a"): identity_translator(src, stok, scale=0.0)}
+    result = measure_session_recall(models, nothing, "a", "b", items(stok, 2), recompute=[None],
+                                    break_even=10**6, log=lambda s: None)
+    gated = f"{SWITCHED} + default recompute, break-even {10**6}"
+    for x, y in zip(result.scores[REPREFILL], result.scores[gated]):
+        assert x.exact == y.exact and x.answer_nll == pytest.approx(y.answer_nll, abs=1e-3)
+    assert any(abs(x.answer_nll - y.answer_nll) > 1e-2 for x, y in
+               zip(result.scores[REPREFILL], result.scores[f"{SWITCHED} + default recompute"]))

@@ -105,24 +105,33 @@ def cue_only(session: Session, b: str, item: RecallItem) -> RecallScore:
 def measure_session_recall(models: Mapping[str, tuple], translators: Mapping, a: str, b: str,
                            items: Sequence[RecallItem],
                            recompute: Sequence[Optional[float]] = (),
+                           break_even: Optional[int] = None,
                            log: Callable[[str], None] = print) -> RecallResult:
     """Score ``items`` (see the module docstring): ``models`` name -> (model,
     tokenizer), ``translators`` (source, target) -> Translator for both directions
-    between ``a`` and ``b``."""
+    between ``a`` and ``b``. ``break_even``: also the files' defaults in a session
+    whose catch-ups prefill when they would translate fewer positions
+    (``Session(break_even=...)``); the other settings use none (the machine's stored
+    break-even is not read, so runs compare on any machine)."""
     for pair in ((a, b), (b, a)):
         if pair not in translators:
             raise KvlingoError(f"A translator {pair[0]} -> {pair[1]} is needed.")
     settings: Dict[str, Callable[[], Session]] = {
         REPREFILL: lambda: Session(models),
-        SWITCHED: lambda: Session(models, translators, recompute=0.0),  # not the files' default
+        # not the files' default recompute
+        SWITCHED: lambda: Session(models, translators, recompute=0.0, break_even=0),
     }
     for share in recompute:  # None: the files' own budget and selection
         if share is None:
             settings[f"{SWITCHED} + default recompute"] = (
-                lambda: Session(models, translators))
+                lambda: Session(models, translators, break_even=0))
             continue
         settings[f"{SWITCHED} + recompute {share:.0%}"] = (
-            lambda share=share: Session(models, translators, recompute=share, recompute_max=0))
+            lambda share=share: Session(models, translators, recompute=share, recompute_max=0,
+                                        break_even=0))
+    if break_even is not None:
+        settings[f"{SWITCHED} + default recompute, break-even {break_even}"] = (
+            lambda: Session(models, translators, break_even=break_even))
     scores: Dict[str, List[RecallScore]] = {name: [] for name in settings}
     scores[NONE] = []
     for i, item in enumerate(items):
