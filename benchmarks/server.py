@@ -96,7 +96,8 @@ def main(argv=None):
         kind = "random maps, 3 source layers per map (timing only)"
     models = {"smol": (smol, stok), "gemma": (gemma, gtok)}
     # The translation alone (not a file's default recompute), as the figures were taken.
-    translate_srv, translate = start(Session(models, {("smol", "gemma"): t}, recompute=0.0))
+    translate_srv, translate = start(
+        Session(models, {("smol", "gemma"): t}, recompute=0.0, break_even=0))
     prefill_srv, reprefill = start(Session(models))  # no translator: gemma re-prefills
     _, heldout = data.split_documents(data.stdlib_documents())
     texts = [t for _, t in heldout]

@@ -714,6 +714,10 @@ def defaults(
         "question attends to, with the fact-like words), 'question-words' (the same, each "
         "widened to its whole word), 'source' (as 'question', read by the source on its own "
         "cache) or 'lexical' (the fact-like words only)."),
+    break_even: Optional[int] = typer.Option(
+        None, help="Catch-ups (a chat's, the server's) that would translate fewer positions "
+        "prefill instead: the break-even `mlx-kvlingo break-even` measured on the machine the "
+        "defaults are set for (a machine's own measurement replaces it; 0: none)."),
     out: Optional[Path] = typer.Option(
         None, help="Write the file with the new defaults here (default: in place)."),
 ):
@@ -730,7 +734,8 @@ def defaults(
         changes = {k: v for k, v in [("native_tail", native_tail), ("recompute", recompute),
                                      ("recompute_max", recompute_max),
                                      ("recompute_reserve", recompute_reserve),
-                                     ("recompute_select", select)] if v is not None}
+                                     ("recompute_select", select),
+                                     ("break_even", break_even)] if v is not None}
         if changes:
             if select is not None and select not in SELECTIONS:
                 raise KvlingoError(f"--select is one of {', '.join(SELECTIONS)}, not "
@@ -740,6 +745,8 @@ def defaults(
             if recompute_reserve is not None and recompute_reserve < 0:
                 raise KvlingoError(f"--recompute-reserve is a count >= 0, not "
                                    f"{recompute_reserve}.")
+            if break_even is not None and break_even < 0:
+                raise KvlingoError(f"--break-even is a count >= 0, not {break_even}.")
             budget = RecomputeBudget.of(loaded, recompute, recompute_max)
             spec = replace(spec, **changes)
             spec.recompute = budget.share
@@ -752,8 +759,10 @@ def defaults(
         less = (f" less {spec.recompute_reserve} positions" if spec.recompute
                 and spec.recompute_reserve else "")
         way = f", chosen by {spec.recompute_select}" if spec.recompute else ""
+        gate = (f"; catch-ups under {spec.break_even} positions prefill" if spec.break_even
+                else "")
         typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}"
-                   f"{way}")
+                   f"{way}{gate}")
 
     _run(go)
 

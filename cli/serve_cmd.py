@@ -70,7 +70,7 @@ def register(app: typer.Typer):
         break_even: Optional[int] = typer.Option(
             None, help="A catch-up that would translate fewer positions prefills them "
             "instead. Default: what `mlx-kvlingo break-even` measured for the pair on this "
-            "machine, else 0 (always translate)."),
+            "machine, else the translator file's (0: always translate)."),
     ):
         """Serve the models over an OpenAI-compatible API (/v1/chat/completions):
         a conversation moves between models by translating its cache."""

@@ -12,6 +12,7 @@ from mlx_kvlingo.errors import KvlingoError
 from mlx_kvlingo.models.cache import prefill
 from mlx_kvlingo.switching.break_even import (
     BreakEven,
+    break_even_for,
     measure_break_even,
     store_break_even,
     stored_break_even,
@@ -106,6 +107,44 @@ def test_the_cli_measures_and_keeps_the_break_even(toy_pair_dirs, pair, tmp_path
                    "--translator", path, "--repeats", "1", env={"MLX_KVLINGO_CACHE": tmp_path})
     assert "break-even:" in proc.stdout and "prefill ms" in proc.stdout
     assert stored_break_even(t, tgt, tmp_path) is not None
+
+
+def test_a_files_break_even_serves_until_this_machine_measures_its_own(pair, tmp_path):
+    src, stok, tgt, ttok, t = pair
+    assert break_even_for(t, tgt, tmp_path) == (0, "the file's")  # files without one
+    t.spec.break_even = 256
+    path = tmp_path / "t.safetensors"
+    t.save(path)
+    from mlx_kvlingo.translator.maps import load_translator
+
+    loaded = load_translator(path)
+    assert break_even_for(loaded, tgt, tmp_path) == (256, "the file's")
+    store_break_even(BreakEven(48, {}, "here"), loaded, tgt, tmp_path)
+    assert break_even_for(loaded, tgt, tmp_path) == (48, "measured here")
+    t.spec.break_even = 0
+
+
+def test_a_session_prefills_under_its_files_break_even(target_pair_twin, tmp_path,
+                                                       monkeypatch):
+    """With nothing measured on this machine, a catch-up shorter than the file's
+    break-even prefills; a session's own break-even still overrides it."""
+    from mlx_kvlingo.pairs.assemble import describe_session
+
+    monkeypatch.setenv("MLX_KVLINGO_CACHE", str(tmp_path))  # nothing measured here
+    m, tok = target_pair_twin
+    t = identity_translator(m, tok)
+    t.spec.break_even = 10_000
+
+    def second_turn(**kw):
+        s = Session({"a": (m, tok), "b": (m, tok)}, {("a", "b"): t}, **kw)
+        s.generate("a", "Return the sum of the items.", max_tokens=3)
+        s.generate("b", "Close the file.", max_tokens=2)
+        return s, s.reports[-1]
+
+    s, r = second_turn()
+    assert r.translated == 0 and "break-even" in r.fallback
+    assert "a -> b 10000 (the file's)" in describe_session(s)
+    assert second_turn(break_even=0)[1].translated > 0
 
 
 def test_a_session_says_which_break_even_it_uses(target_pair_twin):

@@ -90,6 +90,12 @@ def test_defaults_shows_and_sets_a_files_switch_defaults(fitted_translator, tmp_
     said = run_cli("defaults", out, "--recompute-reserve", "55").stdout
     assert "recompute 10% less 55 positions, at most 128 positions" in said
     assert load_translator(out).spec.recompute_reserve == 55
+    said = run_cli("defaults", out, "--break-even", "256").stdout
+    assert "chosen by question; catch-ups under 256 positions prefill" in said
+    assert load_translator(out).spec.break_even == 256
+    assert load_translator(out).spec.recompute_reserve == 55  # the others kept
+    bad = run_cli("defaults", out, "--break-even", "-1", check=False)
+    assert bad.returncode != 0 and load_translator(out).spec.break_even == 256
     bad = run_cli("defaults", out, "--recompute", "1.5", check=False)
     assert bad.returncode != 0 and "share of the context" in bad.stderr + bad.stdout
     assert load_translator(out).spec.recompute == 0.1

@@ -26,7 +26,7 @@ def test_real_pair_chat_each_model_in_its_own_format(real_session_parts):
     models, translators = real_session_parts
     (_, stok), (_, gtok) = models["smol"], models["gemma"]
     assert stok.has_chat_template and not gtok.chat_template  # Gemma 3 270M is a base model
-    s = Session(models, translators)
+    s = Session(models, translators, break_even=0)  # short turns, translated all the same
     r0 = s.generate("smol", "What does the zip function do in Python?", max_tokens=24)
     r1 = s.generate("gemma", "Give an example.", max_tokens=24)
     r2 = s.generate("smol", "Thanks. And enumerate?", max_tokens=6)
@@ -61,12 +61,24 @@ def test_real_pair_multiturn_beats_no_context(real_session_parts):
 def test_chat_and_serve_use_the_shipped_translators_for_the_short_names():
     from mlx_kvlingo.pairs.assemble import build_session
 
-    session = build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
-    assert session.has_translator("smol", "gemma") and session.has_translator("gemma", "smol")
-    assert session.translator("smol", "gemma").cross_tokenizer
-    # Longer than the files' native tail (16): a catch-up the tail covers is all native.
-    r = session.generate("smol", "We are planning a picnic by the river on Saturday with "
+    def two_turns(break_even):
+        session = build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
+        assert session.has_translator("smol", "gemma") and session.has_translator("gemma", "smol")
+        assert session.translator("smol", "gemma").cross_tokenizer
+        session.break_even = break_even
+        # Longer than the files' native tail (16): a catch-up the tail covers is all native.
+        session.generate("smol", "We are planning a picnic by the river on Saturday with "
                          "bread, cheese, cold tea and a basket of fruit. Name a fruit.",
                          max_tokens=4)
-    r = session.generate("gemma", "Another one?", max_tokens=4)
+        return session.generate("gemma", "Another one?", max_tokens=4)
+
+    r = two_turns(0)
     assert r.translated > 0 and not r.warnings
+    # The files' break-even (256 positions, where nothing was measured on the machine
+    # running this): a catch-up that short is prefilled.
+    from mlx_kvlingo.switching.break_even import stored_break_even
+
+    session = build_session(["smol=smollm2", "gemma=gemma3"], [], False, 0, None, None)
+    if stored_break_even(session.translator("smol", "gemma"), session.model("gemma")) is None:
+        r = two_turns(None)
+        assert r.translated == 0 and "break-even" in r.fallback

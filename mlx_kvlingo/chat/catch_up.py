@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..models.cache import trim_cache_to
 from ..switching.api import SwitchResult
-from ..switching.break_even import stored_break_even
+from ..switching.break_even import break_even_for
 from ..switching.catch_up import CatchUp, Run, catch_up
 from ..translator.align import NATIVE, Alignment
 from .transcript import align_pieces, leading_specials
@@ -61,12 +61,12 @@ def catch_up_turn(session, name: str, end: int, report: TurnReport,
 
 
 def _break_even(session, runs: List[Run], model) -> int:
-    """The session's break-even, else the largest measured for the translators of
-    ``runs`` on this machine (0 where none was)."""
+    """The session's break-even, else the largest of the translators of ``runs``
+    (each measured on this machine, else its file's: switching.break_even)."""
     if session.break_even is not None:
         return session.break_even
-    found = [stored_break_even(r.translator, model) for r in runs if r.translator is not None]
-    return max([n for n in found if n is not None], default=0)
+    return max([break_even_for(r.translator, model)[0] for r in runs
+                if r.translator is not None], default=0)
 
 
 def _translators_to(session, name: str) -> list:

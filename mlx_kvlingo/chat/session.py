@@ -107,7 +107,9 @@ class Session:
     natively instead (a short switch costs more than it saves). None (default):
     what was measured for the pair on this machine
     (:func:`~mlx_kvlingo.switching.break_even.measure_break_even`, kept by
-    ``mlx-kvlingo break-even`` and ``serve``), else 0 (always translate).
+    ``mlx-kvlingo break-even``), else the translator file's (``spec.break_even``,
+    measured where its defaults were set; 0 in files without one: always
+    translate).
 
     Threads: every turn (``generate``, ``read``, ``reset``, ``truncate``) holds the
     session's lock, so a chat app may call one Session from worker threads;

@@ -82,7 +82,9 @@ def run_conversation(
     log-probs with a native prefill of the model's own view of the transcript and
     with no context (the view's leading special tokens, e.g. BOS, kept)."""
     # The translation alone, as calibrated and reported: not the files' default recompute.
-    session = Session(models, translators, chat_template=False, gate=gate, recompute=0.0)
+    # Every catch-up translated, whatever its length: the translation is what is measured.
+    session = Session(models, translators, chat_template=False, gate=gate, recompute=0.0,
+                      break_even=0)
     session.read(order[0], segments[0])
     out = []
     for i in range(1, len(segments)):

@@ -8,7 +8,7 @@ from ..chat.session import Session
 from ..errors import KvlingoError
 from ..models.geometry import cache_geometry, model_name
 from ..models.load import load
-from ..switching.break_even import stored_break_even
+from ..switching.break_even import break_even_for
 from ..translator.maps import load_translator
 from .builtin import builtin_session, stage1_translator
 from .shipped import load_shipped
@@ -135,6 +135,7 @@ def _break_evens(session: Session) -> str:
     for s in session.model_names:
         for t in session.model_names:
             if s != t and session.has_translator(s, t):
-                n = stored_break_even(session.translator(s, t), session.model(t))
-                found.append(f"{s} -> {t} {n if n is not None else 'not measured'}")
+                n, where = break_even_for(session.translator(s, t), session.model(t))
+                found.append(f"{s} -> {t} " + (f"{n} ({where})" if n or where != "the file's"
+                                                else "not measured"))
     return ", ".join(found) + " (positions; `mlx-kvlingo break-even` measures it here)"

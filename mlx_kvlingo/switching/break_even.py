@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -155,6 +155,19 @@ def stored_break_even(translator: Translator, target: nn.Module,
         return None
     entry = table.get(machine_key(), {}).get(_pair_key(translator, target))
     return int(entry["tokens"]) if entry else None
+
+
+def break_even_for(translator: Translator, target: nn.Module,
+                   cache_dir: Optional[Union[str, Path]] = None) -> Tuple[int, str]:
+    """(the break-even a catch-up with ``translator`` uses, where it comes from):
+    this machine's measurement ("measured here"), else the file's default, measured
+    where the file's defaults were set ("the file's"; 0 in files without one). A
+    faster machine breaks even sooner: the file's number then prefills a few
+    catch-ups a switch would have done a little faster, never a worse cache."""
+    here = stored_break_even(translator, target, cache_dir)
+    if here is not None:
+        return here, "measured here"
+    return translator.spec.break_even, "the file's"
 
 
 _READ: Dict[str, tuple] = {}  # path -> ((mtime, size), table): read again only when it changes

@@ -102,6 +102,11 @@ class TranslatorSpec:
     # "lexical", the fact-like words only. Files written before this field:
     # "question".
     recompute_select: str = "question"
+    # Catch-ups that would translate fewer positions prefill them instead (a switch
+    # that short costs more than it saves): the break-even measured where the file's
+    # defaults were set (switching.break_even). A machine's own measurement replaces
+    # it. Files written before this field: 0 (every catch-up translates).
+    break_even: int = 0
     # The target computes its layer-0 K/V itself instead of translating them (they
     # depend only on each token and its position: exact, and cheap). The maps of
     # layer 0 stay in the file, unused. Files written before this field: off.
@@ -138,6 +143,8 @@ class TranslatorSpec:
             del d["recompute_reserve"]
         if not self.recompute or self.recompute_select == "question":
             del d["recompute_select"]
+        if not self.break_even:  # as files written before the field
+            del d["break_even"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -551,6 +558,8 @@ def _validate_spec(spec: TranslatorSpec):
         raise TranslatorFileError(
             f"invalid recompute {spec.recompute!r} / recompute_max {spec.recompute_max!r} / "
             f"recompute_reserve {spec.recompute_reserve!r}.")
+    if not _is_count(spec.break_even):
+        raise TranslatorFileError(f"invalid break_even {spec.break_even!r}.")
     if not isinstance(spec.native_layer0, bool):
         raise TranslatorFileError(f"invalid native_layer0 {spec.native_layer0!r}.")
     for role in ("source", "target"):
