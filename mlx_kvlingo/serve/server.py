@@ -778,7 +778,7 @@ class ServeOptions:
     recompute: Optional[float] = None
     recompute_max: Optional[int] = None
     # Catch-ups translating fewer positions prefill instead; None: measured per pair
-    # on this machine (switching.break_even), else 0.
+    # on this machine (switching.break_even), else the translator file's.
     break_even: Optional[int] = None
 
 
