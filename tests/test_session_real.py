@@ -74,7 +74,7 @@ def test_chat_and_serve_use_the_shipped_translators_for_the_short_names():
 
     r = two_turns(0)
     assert r.translated > 0 and not r.warnings
-    # The files' break-even (256 positions, where nothing was measured on the machine
+    # The files' break-even (128 / 256 positions, where nothing was measured on the machine
     # running this): a catch-up that short is prefilled.
     from mlx_kvlingo.switching.break_even import stored_break_even
 
