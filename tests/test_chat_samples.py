@@ -176,10 +176,13 @@ def test_stage_two_trains_on_chats_through_the_store(chat_pair, samples_file, tm
     assert "mb0.weights" in arrays and arrays["mb0.weights"].shape == arrays["mb0.continuation"].shape
 
 
+@pytest.mark.parametrize("rank", [0, 2])
 def test_stage_two_on_chats_lowers_a_compressed_translators_loss(chat_pair, samples_file,
-                                                                   tmp_path):
+                                                                   tmp_path, rank):
     """As the shipped Qwen files are made better: a compressed file (one shared
-    projection per kind) trained whole on chat samples, its weighted KL falling."""
+    projection per kind) trained on chat samples, whole (rank 0) or by a low-rank
+    correction of each layer's map over the frozen projection, its weighted KL
+    falling."""
     from mlx_kvlingo.translator.compress import calibration_features, compress_translator
     from mlx_kvlingo.translator.maps import load_translator
 
@@ -200,8 +203,9 @@ def test_stage_two_on_chats_lowers_a_compressed_translators_loss(chat_pair, samp
     assert small.spec.shared_tokens
     start = tmp_path / "small.safetensors"
     small.save(start)
-    config = RunConfig(distill=DistillConfig(steps=16, batch_size=1, accumulate=2, lr=1e-4,
-                                             warmup=0.0),
+    config = RunConfig(distill=DistillConfig(steps=16, batch_size=1, accumulate=2,
+                                             lr=1e-4 if not rank else 3e-3, warmup=0.0,
+                                             rank=rank),
                        eval_every=0, checkpoint_every=0, store_pool=2, eval_windows=8,
                        eval_context=32, continuation_len=8)
     pair = pair_data(f"chats:{out}", stok, ttok)
@@ -213,4 +217,11 @@ def test_stage_two_on_chats_lowers_a_compressed_translators_loss(chat_pair, samp
     assert len(losses) == 16
     # The same two pool steps each epoch: the last epoch's against the first's.
     assert sum(losses[-2:]) < 0.9 * sum(losses[:2])
-    assert load_translator(trained).spec.shared_rank == small.spec.shared_rank
+    after = load_translator(trained)
+    assert after.spec.shared_rank == small.spec.shared_rank
+    if rank:  # the projection stayed as it was; each map moved by at most rank 2
+        for a, b in ((after.k_shared, small.k_shared), (after.v_shared, small.v_shared)):
+            assert mx.array_equal(a.weight, b.weight)
+        moved = after.v_maps[0].weight - small.v_maps[0].weight
+        singular = mx.linalg.svd(moved, stream=mx.cpu)[1]
+        assert singular[0] > 0 and (singular[rank:] < 1e-5 * singular[0]).all()

@@ -82,7 +82,9 @@ class DistillConfig:
 
 
 class LowRankMaps(nn.Module):
-    """Frozen maps plus a trainable low-rank correction per map: W + B A."""
+    """Frozen maps plus a trainable low-rank correction per map: W + B A. A
+    compressed translator's correction reads what its maps read, the frozen shared
+    projection: the file keeps its format and its cost per token."""
 
     def __init__(self, translator: Translator, rank: int, seed: int = 0,
                  layer_ranks: Optional[dict] = None):
@@ -109,8 +111,10 @@ class LowRankMaps(nn.Module):
         maps' source terms on these inputs (per target layer, K and V), when already
         computed (:meth:`Distiller.with_frozen_outputs`); the frozen maps are then
         not run again, only the correction."""
-        out_k, out_v = [], []
         spec = self.base.spec
+        if spec.shared_rank:
+            return self._shared(keys, values, tokens, frozen)
+        out_k, out_v = [], []
         for i, layers in enumerate(spec.layer_map):
             xk, xv = [keys[j] for j in layers], [values[j] for j in layers]
             if frozen:
@@ -121,9 +125,26 @@ class LowRankMaps(nn.Module):
             out_v.append(base_v + _project(xv, self.a_v[i]) @ self.b_v[i].T)
         return self.base.add_token_terms(out_k, out_v, tokens)
 
+    def _shared(self, keys, values, tokens, frozen):
+        """A compressed base: each layer's map and its correction read the shared
+        projection (``frozen``: the maps' outputs already computed)."""
+        spec = self.base.spec
+        zk, zv = self.base.shared_projections(
+            keys, values, self.base._tokens(tokens) if spec.shared_tokens else None)
+        out_k, out_v = [], []
+        for i in range(len(spec.layer_map)):
+            base_k = frozen[0][i] if frozen else self.base.k_maps[i](zk)
+            base_v = frozen[1][i] if frozen else self.base.v_maps[i](zv)
+            out_k.append(base_k + (zk @ self.a_k[i].T) @ self.b_k[i].T)
+            out_v.append(base_v + (zv @ self.a_v[i].T) @ self.b_v[i].T)
+        return self.base.add_token_terms(out_k, out_v, tokens)
+
     def merged(self) -> Translator:
         """The base translator with the corrections folded into its maps."""
         t = Translator(self.base.spec)
+        if self.base.spec.shared_rank:
+            t.k_shared.weight = self.base.k_shared.weight
+            t.v_shared.weight = self.base.v_shared.weight
         for i in range(len(t.k_maps)):
             t.k_maps[i].weight = self.base.k_maps[i].weight + self.b_k[i] @ self.a_k[i]
             t.v_maps[i].weight = self.base.v_maps[i].weight + self.b_v[i] @ self.a_v[i]
@@ -463,7 +484,9 @@ class Distiller:
         the frozen maps are most of a stored step's work (a top-18 map reads 18
         source layers): this runs them once per sample instead of every step. With
         full maps (``rank == 0``) the batches are returned as they are."""
-        if not isinstance(self.maps, LowRankMaps):
+        if not isinstance(self.maps, LowRankMaps) or self.maps.base.spec.shared_rank:
+            # A compressed base's maps are small beside its shared projection, which
+            # the correction reads anyway: nothing to save.
             return batches
         if key not in memo:
             outs = [self.maps.base.map_sources(b.src_keys, b.src_values) for b in batches]

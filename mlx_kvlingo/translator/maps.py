@@ -270,13 +270,20 @@ class Translator(nn.Module):
         """map_sources of a compressed translator: one shared projection per kind,
         over all rows (with ``spec.shared_tokens``, of the token inputs too), then
         each layer's map over the rows it keeps."""
-        union = self.source_layers
-        extra = [tokens.astype(keys[union[0]].dtype)] if tokens is not None else []
-        zk = self.k_shared(_concat([keys[j] for j in union] + extra))
-        zv = self.v_shared(_concat([values[j] for j in union] + extra))
+        zk, zv = self.shared_projections(keys, values, tokens)
         out_k = [km(_last_rows(zk, keep, i)) for i, km in enumerate(self.k_maps)]
         out_v = [vm(_last_rows(zv, keep, i)) for i, vm in enumerate(self.v_maps)]
         return out_k, out_v
+
+    def shared_projections(self, keys: List[mx.array], values: List[mx.array],
+                           tokens: Optional[mx.array] = None):
+        """A compressed translator's shared projections of keys and of values, over
+        all rows: what each layer's map reads. ``tokens``: the target's token inputs,
+        with ``spec.shared_tokens``."""
+        union = self.source_layers
+        extra = [tokens.astype(keys[union[0]].dtype)] if tokens is not None else []
+        return (self.k_shared(_concat([keys[j] for j in union] + extra)),
+                self.v_shared(_concat([values[j] for j in union] + extra)))
 
     def _tokens(self, tokens: Optional[mx.array]) -> mx.array:
         if tokens is None:
