@@ -129,8 +129,7 @@ class LowRankMaps(nn.Module):
         """A compressed base: each layer's map and its correction read the shared
         projection (``frozen``: the maps' outputs already computed)."""
         spec = self.base.spec
-        zk, zv = self.base.shared_projections(
-            keys, values, self.base._tokens(tokens) if spec.shared_tokens else None)
+        zk, zv = self.base.shared_projections(keys, values, tokens)
         out_k, out_v = [], []
         for i in range(len(spec.layer_map)):
             base_k = frozen[0][i] if frozen else self.base.k_maps[i](zk)

@@ -247,7 +247,7 @@ class Translator(nn.Module):
         map only the last ``keep[i]`` positions (None: all), e.g. the rows a
         sliding-window layer keeps; that layer's output then has only those rows."""
         if self.spec.shared_tokens:
-            return self._map_shared(keys, values, keep, self._tokens(tokens))
+            return self._map_shared(keys, values, keep, tokens)
         out_k, out_v = self.map_sources(keys, values, keep)
         return self.add_token_terms(out_k, out_v, tokens, keep)
 
@@ -279,9 +279,10 @@ class Translator(nn.Module):
                            tokens: Optional[mx.array] = None):
         """A compressed translator's shared projections of keys and of values, over
         all rows: what each layer's map reads. ``tokens``: the target's token inputs,
-        with ``spec.shared_tokens``."""
+        read with ``spec.shared_tokens`` (and needed then)."""
         union = self.source_layers
-        extra = [tokens.astype(keys[union[0]].dtype)] if tokens is not None else []
+        extra = ([self._tokens(tokens).astype(keys[union[0]].dtype)]
+                 if self.spec.shared_tokens else [])
         return (self.k_shared(_concat([keys[j] for j in union] + extra)),
                 self.v_shared(_concat([values[j] for j in union] + extra)))
 
