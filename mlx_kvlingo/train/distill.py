@@ -112,8 +112,8 @@ class LowRankMaps(nn.Module):
         computed (:meth:`Distiller.with_frozen_outputs`); the frozen maps are then
         not run again, only the correction."""
         spec = self.base.spec
-        if spec.shared_rank:
-            return self._shared(keys, values, tokens, frozen)
+        if spec.shared_rank:  # never given frozen outputs (with_frozen_outputs)
+            return self._shared(keys, values, tokens)
         out_k, out_v = [], []
         for i, layers in enumerate(spec.layer_map):
             xk, xv = [keys[j] for j in layers], [values[j] for j in layers]
@@ -125,17 +125,12 @@ class LowRankMaps(nn.Module):
             out_v.append(base_v + _project(xv, self.a_v[i]) @ self.b_v[i].T)
         return self.base.add_token_terms(out_k, out_v, tokens)
 
-    def _shared(self, keys, values, tokens, frozen):
+    def _shared(self, keys, values, tokens):
         """A compressed base: each layer's map and its correction read the shared
-        projection (``frozen``: the maps' outputs already computed)."""
-        spec = self.base.spec
+        projection."""
         zk, zv = self.base.shared_projections(keys, values, tokens)
-        out_k, out_v = [], []
-        for i in range(len(spec.layer_map)):
-            base_k = frozen[0][i] if frozen else self.base.k_maps[i](zk)
-            base_v = frozen[1][i] if frozen else self.base.v_maps[i](zv)
-            out_k.append(base_k + (zk @ self.a_k[i].T) @ self.b_k[i].T)
-            out_v.append(base_v + (zv @ self.a_v[i].T) @ self.b_v[i].T)
+        out_k = [m(zk) + (zk @ a.T) @ b.T for m, a, b in zip(self.base.k_maps, self.a_k, self.b_k)]
+        out_v = [m(zv) + (zv @ a.T) @ b.T for m, a, b in zip(self.base.v_maps, self.a_v, self.b_v)]
         return self.base.add_token_terms(out_k, out_v, tokens)
 
     def merged(self) -> Translator:
