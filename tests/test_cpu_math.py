@@ -237,3 +237,22 @@ def test_stage2_loss_and_gradients_are_mlx_s(every_pass, monkeypatch):
     flat = lambda g: dict(__import__("mlx.utils", fromlist=["x"]).tree_flatten(g))  # noqa: E731
     for name, g in flat(fast[1]).items():
         _close(g, flat(ref[1])[name], 1e-6, name, rtol=1e-4)
+
+
+def test_a_first_pass_without_recompute_takes_the_numpy_paths(every_pass):
+    """A switch whose first pass recomputes nothing (a long native tail, a long new
+    message) is a short prefill too: the numpy paths, as a re-prefill's, and the
+    logits mlx's own functions give."""
+    from mlx_kvlingo.models.cache import copy_cache, last_logits
+    from mlx_kvlingo.switching.recompute import recompute_and_read
+
+    model = tiny_model("gemma3_text", seed=4)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 97, 40)]
+    cache = prefill(model, mx.array([tokens[:24]]))
+    ref = last_logits(model, mx.array([tokens[24:]]), copy_cache(cache), keep=3)
+    mx.eval(ref)
+    every_pass.update(attention=0, activation=0)
+    fast = recompute_and_read(model, cache, tokens, [], tokens[24:], keep=3)
+    assert every_pass["attention"] > 0 and every_pass["activation"] > 0
+    _close(fast, ref, 1e-4, rtol=1e-4)
+    assert min(c.offset for c in cache) == 40
