@@ -186,6 +186,9 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--variant", action="append", default=[],
                     help="another switch, e.g. tail=48,recompute=0.15,max=96 (repeatable)")
+    ap.add_argument("--time-only", action="store_true",
+                    help="time the switches and the re-prefills (the first window) and stop: "
+                         "a re-timing after a change that leaves the scores as they were")
     args = ap.parse_args(argv)
     variants = dict(parse_variant(v) for v in args.variant)
     src, stok, tgt, ttok = load_pair(args.source, args.target)
@@ -200,6 +203,16 @@ def main(argv=None):
     for name, sec in switch_s.items():
         print(f"{name}: {sec * 1e3:.0f} ms = {sec / full:.2f} of the re-prefill's "
               f"{full * 1e3:.0f} ms; equal time: the last {n_eq[name]} tokens", flush=True)
+    if args.time_only:
+        if args.json:
+            args.json.write_text(json.dumps({
+                "environment": environment(), "command": " ".join(sys.argv),
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "prefill_s": {str(k): v for k, v in prefill_s.items()},
+                "switches": {name: {"seconds": sec, "share_of_reprefill": sec / full,
+                                    "equal_time_tokens": n_eq[name]}
+                             for name, sec in switch_s.items()}}, indent=1))
+        return
     truncations = sorted(set(FIXED + tuple(n_eq.values())))
     rows = []
     t0 = time.perf_counter()
