@@ -256,7 +256,11 @@ def main(argv=None):
             "switch_share_of_reprefill": switch_s[DEFAULTS] / full,
             "equal_time_tokens": n_eq[DEFAULTS], "table": table,
             "switch_minus_equal_time": versus[DEFAULTS]["minus_equal_time"],
-            "switches": versus}, indent=1))
+            "switches": versus,
+            # Each window's NLL per scored token, per setting: to pair a later run's
+            # settings (or a mix of these, one per window) with these on the same windows.
+            "windows": [{k: [round(float(x), 4) for x in v] for k, v in r.items()}
+                        for r in rows]}, indent=1))
         print(f"Wrote {args.json}")
 
 
