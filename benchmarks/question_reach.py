@@ -13,30 +13,46 @@ files' ``select=source`` recompute already makes), and two signals are taken:
   the share within the last ``--recent`` positions;
 - *copy*: the source's most likely next token is the token at, or right after, one
   of the ``--copy-top`` best-scored positions older than the last ``--recent`` (the
-  signature of a retrieval: the answer is read off a distant position).
+  signature of a retrieval: the answer is read off a distant position);
+- *reach*: the KL divergence of the source's next-token distribution reading only
+  the first token and the last ``--recent`` from its distribution reading the whole
+  context (nats): how much the next token needs what lies further back.
 
     python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 550 \
         --json benchmarks/results/question-reach-DATE-g2s-550.json
 
-Nothing is timed; each signal is reported per kind of item.
+Nothing is timed; each signal is reported per kind of item. With ``--cbr-json`` (a
+cbr_defaults.py run on the same windows: the same ``--tokens``, corpus and seed, with a
+``--variant`` of a long tail) and ``--recall-json`` (a recall.py run on the same items),
+it also reports what a switch that chose per window would have kept: the long tail
+where the reach is at most a threshold, the file's defaults elsewhere (``--long``: the
+variant's row; a recall item in tail mode is scored by that run's switch without the
+recompute, ``--recall-tail``).
+
+    python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 512 \
+        --items 0 --cbr-json cbr-g2s-512.json --long "switch (tail=128,recompute=0)"
 """
 import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from cbr_defaults import windows  # this folder's
+from cbr_defaults import DEFAULTS, cbr, resampled, windows  # this folder's
 
 from mlx_kvlingo.data.recall import KINDS, PLAIN_KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.ttft import environment
-from mlx_kvlingo.models.cache import prefill
+from mlx_kvlingo.models.cache import last_logits, prefill
 from mlx_kvlingo.models.load import load_pair
 from mlx_kvlingo.switching.query import question_scores
 from mlx_kvlingo.translator.align import tokenize_with_offsets
+
+REACH_STEPS = (0.1, 0.2, 0.3, 0.5)
 
 
 def probe(model, tokenizer, text: str):
@@ -48,6 +64,19 @@ def probe(model, tokenizer, text: str):
     scores = np.asarray(question_scores(model, cache, ids, len(ids) - 1, 1))
     logits = model(mx.array([ids[-1:]]), cache=cache)[0, -1]
     return ids, scores, int(mx.argmax(logits).item())
+
+
+def log_probs(model, ids) -> np.ndarray:
+    """The model's log-probabilities of the token after ``ids``."""
+    logits = last_logits(model, mx.array([list(ids)]), None)[0, -1].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits))
+
+
+def reach(model, ids, recent: int) -> float:
+    """KL(whole context || first token + last ``recent``) of the next token, nats."""
+    whole = log_probs(model, ids)
+    near = log_probs(model, ids[:1] + ids[-recent:])
+    return float(np.sum(np.exp(whole) * (whole - near)))
 
 
 def signals(ids, scores, predicted: int, top: int, recent: int, copy_top: int) -> dict:
@@ -78,11 +107,23 @@ def main(argv=None):
     ap.add_argument("--copy-top", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cbr-json", type=Path, default=None)
+    ap.add_argument("--long", default="switch (tail=128,recompute=0)")
+    ap.add_argument("--recall-json", type=Path, default=None)
+    ap.add_argument("--recall-tail", default="switch")
+    ap.add_argument("--recall-defaults", default="switch + default recompute by source")
+    ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
+                    help="time the second pass the reach needs (the source over one token, "
+                    "with its LM head) against the target's re-prefill of the first window, "
+                    "medians of ROUNDS after a warm-up, and stop")
     args = ap.parse_args(argv)
-    src, stok, _, ttok = load_pair(args.source, args.target)
+    src, stok, tgt, ttok = load_pair(args.source, args.target)
+    if args.time:
+        text = windows(ttok, args.corpus, args.tokens, 64, 1, args.seed)[0][0]
+        return time_reach_pass(src, stok, tgt, ttok, text, args.time)
     texts = [("continuation", text) for text, _ in windows(
         ttok, args.corpus, args.tokens, 64, args.windows, args.seed)]
-    for kinds in (PLAIN_KINDS, KINDS):
+    for kinds in (PLAIN_KINDS, KINDS) if args.items else ():
         texts += [(item.kind, item.prompt) for item in recall_items(
             heldout_filler(), args.items, args.tokens, lambda t: len(ttok.encode(t)),
             kinds=list(kinds), seed=args.seed)]
@@ -90,27 +131,111 @@ def main(argv=None):
     for i, (kind, text) in enumerate(texts):
         ids, scores, predicted = probe(src, stok, text)
         rows.append({"kind": kind, **signals(ids, scores, predicted, args.top, args.recent,
-                                             args.copy_top)})
+                                             args.copy_top),
+                     "reach": reach(src, ids, args.recent)})
         print(f"\r{i + 1}/{len(texts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     table = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
         shares = [r["recent_share"] for r in mine]
+        reaches = [r["reach"] for r in mine]
         table[kind] = {"items": len(mine), "copy": sum(r["copy"] for r in mine),
+                       "reach_q10_q50_q90": np.quantile(reaches, [.1, .5, .9]).round(3).tolist(),
+                       "reach_over": {str(t): sum(x > t for x in reaches) for t in REACH_STEPS},
                        "recent_share_q10_q50_q90": np.quantile(shares, [.1, .5, .9]).round(2)
                        .tolist()}
     print(f"{args.source}, {args.tokens} target tokens ({args.target}): top {args.top}, "
           f"recent = last {args.recent}, copy from the {args.copy_top} best distant\n\n"
-          "| kind | items | copy signature fires | recent share q10 / q50 / q90 |\n|---|---|---|---|")
+          "| kind | items | copy signature fires | recent share q10 / q50 / q90 | reach q10 / q50 "
+          f"/ q90 | reach over {' / '.join(map(str, REACH_STEPS))} |\n|---|---|---|---|---|---|")
     for kind, t in table.items():
         print(f"| {kind} | {t['items']} | {t['copy']} | "
-              f"{' / '.join(f'{q:.2f}' for q in t['recent_share_q10_q50_q90'])} |")
+              f"{' / '.join(f'{q:.2f}' for q in t['recent_share_q10_q50_q90'])} | "
+              f"{' / '.join(f'{q:.2f}' for q in t['reach_q10_q50_q90'])} | "
+              f"{' / '.join(str(v) for v in t['reach_over'].values())} |")
+    split = {}
+    if args.cbr_json:
+        split["cbr"] = split_cbr(json.loads(args.cbr_json.read_text()), rows, args.long)
+    if args.recall_json:
+        split["recall"] = split_recall(json.loads(args.recall_json.read_text()), rows,
+                                       args.recall_tail, args.recall_defaults)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment(),
                                          "command": " ".join(sys.argv),
                                          "args": {k: str(v) for k, v in vars(args).items()},
-                                         "table": table, "rows": rows}, indent=1))
+                                         "table": table, "split": split, "rows": rows},
+                                        indent=1))
+
+
+def time_reach_pass(src, stok, tgt, ttok, text: str, rounds: int) -> None:
+    """Median seconds of the source's pass over the context's last token (with its
+    LM head; the cache holds the rest) and of the target's re-prefill of the context."""
+    sids = tokenize_with_offsets(stok, text)[0]
+    tids = tokenize_with_offsets(ttok, text)[0]
+    one, full = [], []
+    for _ in range(rounds + 1):
+        cache = prefill(src, mx.array(sids[:-1])[None])
+        mx.eval([(c.keys, c.values) for c in cache])
+        t0 = time.perf_counter()
+        mx.eval(src(mx.array([sids[-1:]]), cache=cache))
+        one.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        cache = prefill(tgt, mx.array(tids[:-1])[None])
+        mx.eval(last_logits(tgt, mx.array([tids[-1:]]), cache))
+        full.append(time.perf_counter() - t0)
+    a, b = statistics.median(one[1:]), statistics.median(full[1:])
+    print(f"source pass over one token: {a * 1e3:.0f} ms; target re-prefill of {len(tids)} "
+          f"tokens: {b * 1e3:.0f} ms; share {a / b:.3f}")
+
+
+def split_cbr(run: dict, rows: list, long: str) -> dict:
+    """CBR of a per-window choice on a cbr_defaults run's windows: ``long`` where the
+    window's reach is at most each threshold, the defaults elsewhere; paired with
+    the defaults and with the long tail's equal-time truncation."""
+    reaches = [r["reach"] for r in rows if r["kind"] == "continuation"]
+    windows_ = [{k: np.array(v) for k, v in w.items()} for w in run["windows"]]
+    if len(windows_) != len(reaches):
+        raise SystemExit(f"{len(windows_)} windows in --cbr-json, {len(reaches)} read here")
+    equal = f"last {run['switches'][long]['equal_time_tokens']}"
+    out = {}
+    print(f"\nper window: {long} where reach <= t, else {DEFAULTS} "
+          f"(CBR {cbr(windows_, DEFAULTS):.1%}; {long}: {cbr(windows_, long):.1%}; "
+          f"{equal}: {cbr(windows_, equal):.1%})")
+    for t in REACH_STEPS:
+        for w, x in zip(windows_, reaches):
+            w["split"] = w[long] if x <= t else w[DEFAULTS]
+        value = cbr(windows_, "split")
+        versus = [value - cbr(windows_, DEFAULTS)] + resampled(windows_, "split", DEFAULTS)
+        minus_equal = [value - cbr(windows_, equal)] + resampled(windows_, "split", equal)
+        long_share = float(np.mean([x <= t for x in reaches]))
+        out[str(t)] = {"cbr": value, "long_share": long_share, "minus_defaults": versus,
+                       "minus_long_equal_time": minus_equal}
+        print(f"  t = {t}: {long_share:.0%} of windows long, CBR {value:.1%}; - defaults "
+              f"{versus[0]:+.1%} [{versus[1]:+.1%}, {versus[2]:+.1%}]; - {equal} "
+              f"{minus_equal[0]:+.1%} [{minus_equal[1]:+.1%}, {minus_equal[2]:+.1%}]")
+    return out
+
+
+def split_recall(run: dict, rows: list, tail: str, defaults: str) -> dict:
+    """Exact match of a per-item choice on a recall.py run's items (the same
+    items in the same order): ``tail`` where the item's reach is at most each
+    threshold, ``defaults`` elsewhere."""
+    kinds = [i["kind"] for i in run["items"]]
+    mine = [r for r in rows if r["kind"] != "continuation"][:len(kinds)]
+    if [r["kind"] for r in mine] != kinds:
+        raise SystemExit("--recall-json holds other items than these")
+    scores = run["scores"]
+    native = float(np.mean([s["exact"] for s in scores["native"]]))
+    out = {"native": native, "defaults": float(np.mean([s["exact"] for s in scores[defaults]]))}
+    print(f"\nper item: {tail} where reach <= t, else {defaults} (exact: native {native:.3f}, "
+          f"defaults {out['defaults']:.3f})")
+    for t in REACH_STEPS:
+        exact = [scores[tail if r["reach"] <= t else defaults][j]["exact"]
+                 for j, r in enumerate(mine)]
+        out[str(t)] = float(np.mean(exact))
+        print(f"  t = {t}: exact {out[str(t)]:.3f} ({out[str(t)] / native:.2f} of native's)")
+    return out
 
 
 if __name__ == "__main__":
