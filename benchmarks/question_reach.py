@@ -7,7 +7,7 @@ tail with the recompute for a question (what recall needs).
 For held-out windows of ``--corpus`` (what cbr_defaults.py scores) and recall items
 (plain-word facts and fact-like ones, what recall.py scores), the source reads the
 whole context and then its last token once more on its own cache (the probe the
-files' ``select=source`` recompute already makes), and two signals are taken:
+files' ``select=source`` recompute already makes), and three signals are taken:
 
 - *recent share*: of the ``--top`` best-scored positions (query.question_scores),
   the share within the last ``--recent`` positions;
@@ -16,12 +16,15 @@ files' ``select=source`` recompute already makes), and two signals are taken:
   signature of a retrieval: the answer is read off a distant position);
 - *reach*: the KL divergence of the source's next-token distribution reading only
   the first token and the last ``--recent`` from its distribution reading the whole
-  context (nats): how much the next token needs what lies further back.
+  context (nats): how much the next token needs what lies further back. Here the
+  short reading is a prefill of those tokens alone (the last ones keep their distances
+  to each other; the first comes nearer).
 
     python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 550 \
         --json benchmarks/results/question-reach-DATE-g2s-550.json
 
-Nothing is timed; each signal is reported per kind of item. With ``--cbr-json`` (a
+Each signal is reported per kind of item (``--time``: only how long the
+reach's second pass takes). With ``--cbr-json`` (a
 cbr_defaults.py run on the same windows: the same ``--tokens``, corpus and seed, with a
 ``--variant`` of a long tail) and ``--recall-json`` (a recall.py run on the same items),
 it also reports what a switch that chose per window would have kept: the long tail
