@@ -23,11 +23,10 @@ files' ``select=source`` recompute already makes), and three signals are taken:
     python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 550 \
         --json benchmarks/results/question-reach-DATE-g2s-550.json
 
-Each signal is reported per kind of item (``--time``: only how long the
-reach's second pass takes). With ``--cbr-json`` (a
-cbr_defaults.py run on the same windows: the same ``--tokens``, corpus and seed, with a
-``--variant`` of a long tail) and ``--recall-json`` (a recall.py run on the same items),
-it also reports what a switch that chose per window would have kept: the long tail
+Each signal is reported per kind of item (``--time``: only how long the reach's
+second pass takes). With ``--cbr-json`` (a cbr_defaults.py run on the same windows:
+the same ``--tokens``, corpus and seed, with a ``--variant`` of a long tail) and
+``--recall-json`` (a recall.py run on the same items), it also reports what a switch that chose per window would have kept: the long tail
 where the reach is at most a threshold, the file's defaults elsewhere (``--long``: the
 variant's row; a recall item in tail mode is scored by that run's switch without the
 recompute, ``--recall-tail``).
@@ -60,30 +59,28 @@ REACH_STEPS = (0.1, 0.2, 0.3, 0.5)
 
 def probe(model, tokenizer, text: str):
     """(source ids, scores of positions 1..n-2 as the last token reads them, the
-    model's most likely next token)."""
+    model's log-probabilities of the token after the whole context)."""
     ids = tokenize_with_offsets(tokenizer, text)[0]
     cache = prefill(model, mx.array(ids[:-1])[None])
     mx.eval([(c.keys, c.values) for c in cache])
     scores = np.asarray(question_scores(model, cache, ids, len(ids) - 1, 1))
-    logits = model(mx.array([ids[-1:]]), cache=cache)[0, -1]
-    return ids, scores, int(mx.argmax(logits).item())
+    return ids, scores, log_probs(model(mx.array([ids[-1:]]), cache=cache)[0, -1])
 
 
-def log_probs(model, ids) -> np.ndarray:
-    """The model's log-probabilities of the token after ``ids``."""
-    logits = last_logits(model, mx.array([list(ids)]), None)[0, -1].astype(mx.float32)
+def log_probs(logits: mx.array) -> np.ndarray:
+    logits = logits.astype(mx.float32)
     return np.array(logits - mx.logsumexp(logits))
 
 
-def reach(model, ids, recent: int) -> float:
-    """KL(whole context || first token + last ``recent``) of the next token, nats."""
-    whole = log_probs(model, ids)
-    near = log_probs(model, ids[:1] + ids[-recent:])
+def reach(model, ids, whole: np.ndarray, recent: int) -> float:
+    """KL(whole context || first token + last ``recent``) of the next token, nats;
+    ``whole``: the log-probabilities after the whole context (:func:`probe`)."""
+    near = log_probs(last_logits(model, mx.array([ids[:1] + ids[-recent:]]), None)[0, -1])
     return float(np.sum(np.exp(whole) * (whole - near)))
 
 
 def signals(ids, scores, predicted: int, top: int, recent: int, copy_top: int) -> dict:
-    """The two signals of one probe (see the module's docstring). ``scores[i]`` is
+    """The attention's two signals (see the module's docstring). ``scores[i]`` is
     position i + 1's; positions 1-3 (the sink's neighbours) are not counted."""
     n = len(scores)
     positions = np.arange(1, n + 1)
@@ -132,10 +129,10 @@ def main(argv=None):
             kinds=list(kinds), seed=args.seed)]
     rows = []
     for i, (kind, text) in enumerate(texts):
-        ids, scores, predicted = probe(src, stok, text)
-        rows.append({"kind": kind, **signals(ids, scores, predicted, args.top, args.recent,
-                                             args.copy_top),
-                     "reach": reach(src, ids, args.recent)})
+        ids, scores, whole = probe(src, stok, text)
+        rows.append({"kind": kind, **signals(ids, scores, int(whole.argmax()), args.top,
+                                             args.recent, args.copy_top),
+                     "reach": reach(src, ids, whole, args.recent)})
         print(f"\r{i + 1}/{len(texts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     table = {}
