@@ -18,13 +18,24 @@ files' ``select=source`` recompute already makes), and three signals are taken:
   the first token and the last ``--recent`` from its distribution reading the whole
   context (nats): how much the next token needs what lies further back. Here the
   short reading is a prefill of those tokens alone (the last ones keep their distances
-  to each other; the first comes nearer).
+  to each other; the first comes nearer);
+- *reach in the probe's pass* (``reach_pass``): the same KL with the short reading
+  made in the probe's own pass (query.last_token_reading): the last token read twice,
+  once seeing only the first token and the ``--recent`` - 1 before it on the cache of
+  the whole context (those rows were computed seeing everything), at no second pass;
+  ``reach_context``: the same over the context's own tokens only (the LM head's rows
+  gathered, not all of them: what a switch reads, query.source_reading);
+  ``reach_context_2``: the larger of that and the next step's, both readings going
+  on with the full one's likeliest token (one more pass: what a switch reads, the
+  files' ``long_tail``); ``hidden_cosine``: 1 - the cosine of the two readings'
+  final hidden states.
 
     python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 550 \
         --json benchmarks/results/question-reach-DATE-g2s-550.json
 
 Each signal is reported per kind of item (``--time``: only how long the reach's
-second pass takes). With ``--cbr-json`` (a cbr_defaults.py run on the same windows:
+second pass and the probe with and without its near reading take).
+``--signal reach_pass`` splits by the one-pass reach. With ``--cbr-json`` (a cbr_defaults.py run on the same windows:
 the same ``--tokens``, corpus and seed, with a ``--variant`` of a long tail) and
 ``--recall-json`` (a recall.py run on the same items), it also reports what a switch that chose per window would have kept: the long tail
 where the reach is at most a threshold, the file's defaults elsewhere (``--long``: the
@@ -45,26 +56,39 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import trim_prompt_cache
 from cbr_defaults import DEFAULTS, cbr, resampled, windows  # this folder's
 
 from mlx_kvlingo.data.recall import KINDS, PLAIN_KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.ttft import environment
 from mlx_kvlingo.models.cache import last_logits, prefill
 from mlx_kvlingo.models.load import load_pair
-from mlx_kvlingo.switching.query import question_scores
+from mlx_kvlingo.switching.query import (last_token_reaches, last_token_reading,
+                                         last_token_rows, question_scores, reach_of)
 from mlx_kvlingo.translator.align import tokenize_with_offsets
 
 REACH_STEPS = (0.1, 0.2, 0.3, 0.5)
+SIGNALS = ("reach", "reach_pass", "reach_context", "reach_context_2", "hidden_cosine")
 
 
-def probe(model, tokenizer, text: str):
+def probe(model, tokenizer, text: str, recent: int):
     """(source ids, scores of positions 1..n-2 as the last token reads them, the
-    model's log-probabilities of the token after the whole context)."""
+    model's log-probabilities of the token after the whole context, the reach in
+    the probe's pass)."""
     ids = tokenize_with_offsets(tokenizer, text)[0]
     cache = prefill(model, mx.array(ids[:-1])[None])
     mx.eval([(c.keys, c.values) for c in cache])
     scores = np.asarray(question_scores(model, cache, ids, len(ids) - 1, 1))
-    return ids, scores, log_probs(model(mx.array([ids[-1:]]), cache=cache)[0, -1])
+    same, hidden = last_token_rows(model, cache, ids, recent - 1)
+    if np.abs(same - scores).max() > 1e-4:
+        raise SystemExit("the two-row probe scored the positions otherwise")
+    near, full = np.array(hidden[0]), np.array(hidden[1])
+    steps = last_token_reaches(model, cache, ids, recent - 1, vocab=ids, steps=2)[1]
+    passes = {"reach_pass": reach_of(model, hidden),
+              "reach_context": reach_of(model, hidden, ids),
+              "reach_context_2": max(steps),
+              "hidden_cosine": 1 - float(near @ full / np.linalg.norm(near) / np.linalg.norm(full))}
+    return ids, scores, log_probs(model(mx.array([ids[-1:]]), cache=cache)[0, -1]), passes
 
 
 def log_probs(logits: mx.array) -> np.ndarray:
@@ -112,6 +136,11 @@ def main(argv=None):
     ap.add_argument("--recall-json", type=Path, default=None)
     ap.add_argument("--recall-tail", default="switch")
     ap.add_argument("--recall-defaults", default="switch + default recompute by source")
+    ap.add_argument("--with-rows", type=Path, default=None,
+                    help="another run's JSON whose rows join these for the AUC (a run of the "
+                    "windows beside one of the recall items)")
+    ap.add_argument("--signal", choices=SIGNALS, default="reach",
+                    help="the reach that splits (--cbr-json, --recall-json)")
     ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
                     help="time the second pass the reach needs (the source over one token, "
                     "with its LM head) against the target's re-prefill of the first window, "
@@ -120,7 +149,7 @@ def main(argv=None):
     src, stok, tgt, ttok = load_pair(args.source, args.target)
     if args.time:
         text = windows(ttok, args.corpus, args.tokens, 64, 1, args.seed)[0][0]
-        return time_reach_pass(src, stok, tgt, ttok, text, args.time)
+        return time_reach_pass(src, stok, tgt, ttok, text, args.time, args.recent)
     texts = [("continuation", text) for text, _ in windows(
         ttok, args.corpus, args.tokens, 64, args.windows, args.seed)]
     for kinds in (PLAIN_KINDS, KINDS) if args.items else ():
@@ -129,37 +158,48 @@ def main(argv=None):
             kinds=list(kinds), seed=args.seed)]
     rows = []
     for i, (kind, text) in enumerate(texts):
-        ids, scores, whole = probe(src, stok, text)
+        ids, scores, whole, passes = probe(src, stok, text, args.recent)
         rows.append({"kind": kind, **signals(ids, scores, int(whole.argmax()), args.top,
                                              args.recent, args.copy_top),
-                     "reach": reach(src, ids, whole, args.recent)})
+                     "reach": reach(src, ids, whole, args.recent), **passes})
         print(f"\r{i + 1}/{len(texts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     table = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
         shares = [r["recent_share"] for r in mine]
-        reaches = [r["reach"] for r in mine]
         table[kind] = {"items": len(mine), "copy": sum(r["copy"] for r in mine),
-                       "reach_q10_q50_q90": np.quantile(reaches, [.1, .5, .9]).round(3).tolist(),
-                       "reach_over": {str(t): sum(x > t for x in reaches) for t in REACH_STEPS},
                        "recent_share_q10_q50_q90": np.quantile(shares, [.1, .5, .9]).round(2)
-                       .tolist()}
+                       .tolist(),
+                       "reach_over": {str(t): sum(r["reach"] > t for r in mine)
+                                      for t in REACH_STEPS}}
+        for signal in SIGNALS:
+            values = [r[signal] for r in mine]
+            table[kind][f"{signal}_q10_q50_q90"] = np.quantile(values, [.1, .5, .9]).tolist()
     print(f"{args.source}, {args.tokens} target tokens ({args.target}): top {args.top}, "
           f"recent = last {args.recent}, copy from the {args.copy_top} best distant\n\n"
-          "| kind | items | copy signature fires | recent share q10 / q50 / q90 | reach q10 / q50 "
-          f"/ q90 | reach over {' / '.join(map(str, REACH_STEPS))} |\n|---|---|---|---|---|---|")
+          "| kind | items | copy signature fires | recent share q10 / q50 / q90 | "
+          f"reach over {' / '.join(map(str, REACH_STEPS))} | "
+          + " | ".join(f"{signal} q10 / q50 / q90" for signal in SIGNALS)
+          + " |\n|---|---|---|---|---|" + "---|" * len(SIGNALS))
     for kind, t in table.items():
         print(f"| {kind} | {t['items']} | {t['copy']} | "
               f"{' / '.join(f'{q:.2f}' for q in t['recent_share_q10_q50_q90'])} | "
-              f"{' / '.join(f'{q:.2f}' for q in t['reach_q10_q50_q90'])} | "
-              f"{' / '.join(str(v) for v in t['reach_over'].values())} |")
+              f"{' / '.join(str(v) for v in t['reach_over'].values())} | "
+              + " | ".join(" / ".join(f"{q:.3g}" for q in t[f"{signal}_q10_q50_q90"])
+                           for signal in SIGNALS) + " |")
+    extra = json.loads(args.with_rows.read_text())["rows"] if args.with_rows else []
+    table["auc"] = separation(rows + extra)
+    print("\nhow well each signal tells text that goes on from a question (AUC: the chance a "
+          "question's is the higher): " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                   table["auc"].items()))
     split = {}
     if args.cbr_json:
-        split["cbr"] = split_cbr(json.loads(args.cbr_json.read_text()), rows, args.long)
+        split["cbr"] = split_cbr(json.loads(args.cbr_json.read_text()), rows, args.long,
+                                 args.signal)
     if args.recall_json:
         split["recall"] = split_recall(json.loads(args.recall_json.read_text()), rows,
-                                       args.recall_tail, args.recall_defaults)
+                                       args.recall_tail, args.recall_defaults, args.signal)
     if args.json:
         args.json.write_text(json.dumps({"environment": environment(),
                                          "command": " ".join(sys.argv),
@@ -168,32 +208,64 @@ def main(argv=None):
                                         indent=1))
 
 
-def time_reach_pass(src, stok, tgt, ttok, text: str, rounds: int) -> None:
-    """Median seconds of the source's pass over the context's last token (with its
-    LM head; the cache holds the rest) and of the target's re-prefill of the context."""
+def separation(rows: list) -> dict:
+    """Per signal, the AUC of telling the recall items from the windows of text that
+    goes on (0.5: no better than chance)."""
+    text = [r for r in rows if r["kind"] == "continuation"]
+    asked = [r for r in rows if r["kind"] != "continuation"]
+    out = {}
+    for signal in SIGNALS + ("recent_share",):
+        a = np.array([r[signal] for r in text])[:, None]
+        b = np.array([r[signal] for r in asked])[None]
+        auc = float(np.mean((b > a) + 0.5 * (b == a))) if a.size and b.size else float("nan")
+        out[signal] = 1 - auc if signal == "recent_share" else auc
+    return out
+
+
+def time_reach_pass(src, stok, tgt, ttok, text: str, rounds: int, recent: int) -> None:
+    """Median seconds, interleaved, of the source's second pass over the context's
+    last token (with its LM head; the cache holds the rest), of its probe (the
+    scores alone) and of its probe with the near reading (the reach in the same
+    pass), and of the target's re-prefill of the context."""
     sids = tokenize_with_offsets(stok, text)[0]
     tids = tokenize_with_offsets(ttok, text)[0]
-    one, full = [], []
-    for _ in range(rounds + 1):
-        cache = prefill(src, mx.array(sids[:-1])[None])
-        mx.eval([(c.keys, c.values) for c in cache])
-        t0 = time.perf_counter()
-        mx.eval(src(mx.array([sids[-1:]]), cache=cache))
-        one.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        cache = prefill(tgt, mx.array(tids[:-1])[None])
-        mx.eval(last_logits(tgt, mx.array([tids[-1:]]), cache))
-        full.append(time.perf_counter() - t0)
-    a, b = statistics.median(one[1:]), statistics.median(full[1:])
-    print(f"source pass over one token: {a * 1e3:.0f} ms; target re-prefill of {len(tids)} "
-          f"tokens: {b * 1e3:.0f} ms; share {a / b:.3f}")
+    cache = prefill(src, mx.array(sids[:-1])[None])
+    mx.eval([(c.keys, c.values) for c in cache])
+
+    def reprefill():
+        mx.eval(last_logits(tgt, mx.array([tids[-1:]]), prefill(tgt, mx.array(tids[:-1])[None])))
+
+    def second_pass():
+        mx.eval(src(mx.array([sids[-1:]]), cache=cache)[0, -1])
+        trim_prompt_cache(cache, 1)  # as it was: the probes read the same cache
+
+    runs = {"second pass": second_pass,
+            "probe": lambda: question_scores(src, cache, sids, len(sids) - 1, 1),
+            "probe with the reach": lambda: last_token_reading(src, cache, sids, recent - 1),
+            "probe with the reach over the context's tokens": lambda: last_token_reading(
+                src, cache, sids, recent - 1, vocab=sids),
+            "the same, two steps": lambda: last_token_reading(
+                src, cache, sids, recent - 1, vocab=sids, steps=2),
+            "re-prefill": reprefill}
+    times = {name: [] for name in runs}
+    for i in range(rounds + 1):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    full = med.pop("re-prefill")
+    print(f"target re-prefill of {len(tids)} tokens: {full * 1e3:.0f} ms")
+    for name, sec in med.items():
+        print(f"{name}: {sec * 1e3:.0f} ms, {sec / full:.3f} of the re-prefill")
 
 
-def split_cbr(run: dict, rows: list, long: str) -> dict:
+def split_cbr(run: dict, rows: list, long: str, signal: str = "reach") -> dict:
     """CBR of a per-window choice on a cbr_defaults run's windows: ``long`` where the
     window's reach is at most each threshold, the defaults elsewhere; paired with
     the defaults and with the long tail's equal-time truncation."""
-    reaches = [r["reach"] for r in rows if r["kind"] == "continuation"]
+    reaches = [r[signal] for r in rows if r["kind"] == "continuation"]
     windows_ = [{k: np.array(v) for k, v in w.items()} for w in run["windows"]]
     if len(windows_) != len(reaches):
         raise SystemExit(f"{len(windows_)} windows in --cbr-json, {len(reaches)} read here")
@@ -217,7 +289,7 @@ def split_cbr(run: dict, rows: list, long: str) -> dict:
     return out
 
 
-def split_recall(run: dict, rows: list, tail: str, defaults: str) -> dict:
+def split_recall(run: dict, rows: list, tail: str, defaults: str, signal: str = "reach") -> dict:
     """Exact match of a per-item choice on a recall.py run's items (the same
     items in the same order): ``tail`` where the item's reach is at most each
     threshold, ``defaults`` elsewhere."""
@@ -231,7 +303,7 @@ def split_recall(run: dict, rows: list, tail: str, defaults: str) -> dict:
     print(f"\nper item: {tail} where reach <= t, else {defaults} (exact: native {native:.3f}, "
           f"defaults {out['defaults']:.3f})")
     for t in REACH_STEPS:
-        exact = [scores[tail if r["reach"] <= t else defaults][j]["exact"]
+        exact = [scores[tail if r[signal] <= t else defaults][j]["exact"]
                  for j, r in enumerate(mine)]
         out[str(t)] = float(np.mean(exact))
         print(f"  t = {t}: exact {out[str(t)]:.3f} ({out[str(t)] / native:.2f} of native's)")

@@ -714,6 +714,14 @@ def defaults(
         "question attends to, with the fact-like words), 'question-words' (the same, each "
         "widened to its whole word), 'source' (as 'question', read by the source on its own "
         "cache) or 'lexical' (the fact-like words only)."),
+    long_tail: Optional[int] = typer.Option(
+        None, help="A one-shot switch whose next token reaches little beyond its last N "
+        "context tokens (text that goes on, not a question about a distant fact) has the "
+        "target compute those N itself and recomputes nothing (0: never; needs --select "
+        "source)."),
+    long_tail_reach: Optional[float] = typer.Option(
+        None, help="How little: the most KL (nats) between the source's next token reading "
+        "only the last --long-tail tokens and reading everything."),
     break_even: Optional[int] = typer.Option(
         None, help="Catch-ups (a chat's, the server's) that would translate fewer positions "
         "prefill instead: the break-even `mlx-kvlingo break-even` measured on the machine the "
@@ -735,6 +743,8 @@ def defaults(
                                      ("recompute_max", recompute_max),
                                      ("recompute_reserve", recompute_reserve),
                                      ("recompute_select", select),
+                                     ("long_tail", long_tail),
+                                     ("long_tail_reach", long_tail_reach),
                                      ("break_even", break_even)] if v is not None}
         if changes:
             if select is not None and select not in SELECTIONS:
@@ -747,11 +757,20 @@ def defaults(
                                    f"{recompute_reserve}.")
             if break_even is not None and break_even < 0:
                 raise KvlingoError(f"--break-even is a count >= 0, not {break_even}.")
+            if long_tail is not None and long_tail < 0:
+                raise KvlingoError(f"--long-tail is a count >= 0, not {long_tail}.")
+            if long_tail_reach is not None and not long_tail_reach >= 0:
+                raise KvlingoError(f"--long-tail-reach is in nats, >= 0, not {long_tail_reach}.")
             budget = RecomputeBudget.of(loaded, recompute, recompute_max)
             spec = replace(spec, **changes)
             spec.recompute = budget.share
             spec.recompute_max = budget.most if budget.share else 0
             spec.recompute_reserve = spec.recompute_reserve if budget.share else 0
+            if spec.long_tail and spec.recompute_select != "source":
+                raise KvlingoError("A long tail is chosen by the source's reading: set "
+                                   "--select source with it.")
+            if not spec.long_tail:
+                spec.long_tail_reach = 0.0
             rewrite_spec(translator, out or translator, spec)
             load_translator(out or translator)  # what was written reads back
             typer.echo(f"Wrote {out or translator}")
@@ -761,8 +780,11 @@ def defaults(
         way = f", chosen by {spec.recompute_select}" if spec.recompute else ""
         gate = (f"; catch-ups under {spec.break_even} positions prefill" if spec.break_even
                 else "")
+        long = (f"; a long tail of {spec.long_tail} without the recompute where the next token "
+                f"reaches at most {spec.long_tail_reach:g} nats beyond it" if spec.long_tail
+                else "")
         typer.echo(f"native tail {spec.native_tail}; recompute {spec.recompute:.0%}{less}{cap}"
-                   f"{way}{gate}")
+                   f"{way}{long}{gate}")
 
     _run(go)
 

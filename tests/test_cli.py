@@ -99,6 +99,16 @@ def test_defaults_shows_and_sets_a_files_switch_defaults(fitted_translator, tmp_
     bad = run_cli("defaults", out, "--recompute", "1.5", check=False)
     assert bad.returncode != 0 and "share of the context" in bad.stderr + bad.stdout
     assert load_translator(out).spec.recompute == 0.1
+    # A long tail is the source's choice: refused with the question's reading.
+    bad = run_cli("defaults", out, "--long-tail", "128", "--long-tail-reach", "0.3",
+                  check=False)
+    assert bad.returncode != 0 and "--select source" in bad.stderr + bad.stdout
+    said = run_cli("defaults", out, "--long-tail", "128", "--long-tail-reach", "0.3",
+                   "--select", "source").stdout
+    assert "a long tail of 128 without the recompute where the next token reaches at most " \
+        "0.3 nats" in said
+    assert (load_translator(out).spec.long_tail, load_translator(out).spec.long_tail_reach) \
+        == (128, 0.3)
 
 
 def test_compress_writes_a_cheaper_translator_that_switches(fitted_translator, toy_pair_dirs,

@@ -144,3 +144,24 @@ def test_mlx_lm_generation_after_a_shipped_switch_equals_generate_after_switch(m
                                             prompt_cache=handed.prompt_cache, max_tokens=8)]
     assert got == want
     assert "631429" in ttok.decode(want).replace(" ", "")
+
+
+def test_shipped_files_take_the_long_tail_for_text_that_goes_on(models):
+    """With the files' defaults, held-out prose that just goes on is switched with the
+    long native tail and no recompute (its next tokens need little beyond its last
+    128), while a question about a number stated far back keeps the recompute."""
+    from mlx_kvlingo import switch_text
+    from mlx_kvlingo.pairs.shipped import load_shipped
+
+    filler = " ".join(x for _, x in data.split_documents(data.read_corpus("austen"))[1])
+    for source, target in REAL_PAIR:
+        t = load_shipped(source, target)
+        assert t.spec.long_tail == 128 and t.spec.recompute_select == "source"
+        (src, stok), (tgt, ttok) = models[source], models[target]
+        long = [switch_text(src, stok, tgt, ttok, t, filler[i * 2500: i * 2500 + 2200])
+                for i in range(4)]
+        assert sum(r.prompt.size == 129 and not r.deferred for r in long) >= 3
+        question = ("The reference number of the order is 631429. " + filler[:1800]
+                    + " The reference number of the order is")
+        asked = switch_text(src, stok, tgt, ttok, t, question)
+        assert asked.deferred and asked.prompt.size == t.spec.native_tail + 1

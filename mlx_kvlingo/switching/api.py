@@ -23,10 +23,12 @@ from .choice import (  # noqa: F401  (LEXICAL_SHARE, SELECTIONS: re-exported)
     LEXICAL_SHARE,
     SELECTIONS,
     RecomputeBudget,
+    REACH_STEPS,
     RecomputePlan,
+    long_tail_for,
     resolve_select,
 )
-from .query import MIN_QUESTION, source_scores
+from .query import MIN_QUESTION, source_reading, source_scores
 from .recompute import Span, recompute_and_read, recompute_spans, token_offsets
 
 
@@ -153,7 +155,8 @@ def translate_cache(
     if alignment is None:
         alignment = identity_alignment(ids, translator.spec.native_prefix)
     result = _switch(source, target, translator, source_cache, alignment, tokens[:, :length],
-                     m - 1, t0, budget, select, text)
+                     m - 1, t0, budget, select, text,
+                     own=native_tail is not None or recompute is not None)
     return result.read_all()
 
 
@@ -335,17 +338,29 @@ def switch(
     alignment = identity_alignment(ids, translator.spec.native_prefix)
     m = resolve_native_tail(translator, native_tail)
     return _switch(source, target, translator, source_cache, alignment, tokens, m, t0,
-                   budget, select, text)
+                   budget, select, text, own=native_tail is not None or recompute is not None)
 
 
 def _switch(source, target, translator, source_cache, alignment, tokens, m: int, t0: float,
-            budget: RecomputeBudget, select: str, text, early=None) -> SwitchResult:
+            budget: RecomputeBudget, select: str, text, early=None,
+            own: bool = False) -> SwitchResult:
     """The switch every entry point makes: translate all but the last m + 1
     positions, then choose what the target recomputes (switching.choice), left for
     its first pass. The question is the context's last tokens: the pending ones, at
-    least the last MIN_QUESTION."""
+    least the last MIN_QUESTION. With the source's reading (select "source") the
+    source reads first, and where the file has a long tail and the caller set
+    neither the tail nor the budget (``own``), a context whose next token reaches
+    little takes the long tail without a recompute (:func:`.choice.long_tail_for`)."""
     ids = tokens[0].tolist()
     n, lo = len(ids), max(translator.spec.native_prefix, 1)
+    reading = None
+    if select == "source" and budget.positions(n):
+        near = 0 if own else translator.spec.long_tail
+        reading = source_reading(source, source_cache, alignment, near, steps=REACH_STEPS,
+                                 enough=translator.spec.long_tail_reach)
+        long_tail = long_tail_for(translator.spec, reading[1]) if near else None
+        if long_tail is not None:
+            m, budget, reading = long_tail, RecomputeBudget(), None
     end = _translated_end(n, m)
     plan = RecomputePlan.make(budget, n, lo, end, select, text, question=end > lo + 1)
     result = switch_aligned(source, target, translator, source_cache, alignment, tokens, m, t0,
@@ -361,9 +376,9 @@ def _switch(source, target, translator, source_cache, alignment, tokens, m: int,
     # fewer relations (Gemma 3 -> SmolLM2, ~1,100 tokens: 4 of 8 against 6 of 8;
     # plain-word facts 0.44 against 0.50 of 48).
     by_source = None
-    if select == "source":
+    if reading is not None:
         def by_source(lo: int, hi: int):
-            return source_scores(source, source_cache, alignment, lo, hi)
+            return source_scores(source, source_cache, alignment, lo, hi, reading[0])
     spans = plan.choose(target, result._cache, ids, start, result.history,
                         read_by_source=by_source)
     result.translate_s = time.perf_counter() - t0  # the choice is part of the switch
@@ -456,4 +471,5 @@ def switch_text(
         raise KvlingoError("A context needs at least 2 target tokens to switch.")
     tokens = mx.array(alignment.target_tokens)[None]
     return _switch(source, target, translator, source_cache, alignment, tokens, m, t0, budget,
-                   select, (text, alignment.target_offsets), early)
+                   select, (text, alignment.target_offsets), early,
+                   own=native_tail is not None or recompute is not None)

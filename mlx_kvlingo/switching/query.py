@@ -22,7 +22,7 @@ scored.
 """
 
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import cpu_math
 from ..errors import KvlingoError
+from ..models.cache import BODY_THEN_HEAD
 from ..translator.align import Alignment
 from .recompute import Span, _roped_at, merge_spans, pass_views
 
@@ -58,15 +59,126 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
     divided by the number of layers whose view holds it (a sliding-window layer does
     not see a distant position, which the sum would rank below recent ones for that
     alone); False: the plain sum."""
+    return _probe(target, cache, tokens, start, lo, history, per_layer_seen)[0]
+
+
+def last_token_reading(model: nn.Module, cache: List, tokens: Sequence[int], near: int,
+                       lo: int = 1, vocab: Optional[Sequence[int]] = None, steps: int = 1,
+                       enough: Optional[float] = None) -> Tuple[np.ndarray, float]:
+    """The scores :func:`question_scores` gives positions lo..n-2 as the last of the
+    n ``tokens`` reads them, and the *reach* of what comes next, from one pass (and
+    one more per step after the first).
+
+    The reach is the KL divergence (nats) of the model's next-token distribution
+    when the last token attends only to the attention sink (positions below lo) and
+    the ``near`` positions before it, from its distribution attending to
+    everything: how much what comes next needs the distant context. Text that goes
+    on needs little of it; a question about a fact stated far back needs it. The
+    same token is read twice in the pass, both rows at its position: the second row
+    has its own key row (:class:`_NearView`), so the weights are read once.
+    ``steps`` > 1: both readings go on with the full one's likeliest token, and the
+    reach is the largest of the steps' (the answer to "The PIN is" starts with a
+    space any reading predicts; its digits are the next step's); ``enough``: no
+    step after one whose reach is above it (the largest is above it already).
+    ``vocab``: the token ids the two distributions are taken over (renormalized;
+    None: the whole vocabulary). A large vocabulary's head is most of a small
+    model's weights (Gemma 3 270M: 62 %): the context's own tokens, where a
+    distant fact's answer lies, cost a gather instead."""
+    scores, reaches = last_token_reaches(model, cache, tokens, near, lo, vocab, steps, enough)
+    return scores, max(reaches, default=0.0)
+
+
+def last_token_reaches(model: nn.Module, cache: List, tokens: Sequence[int], near: int,
+                       lo: int = 1, vocab: Optional[Sequence[int]] = None, steps: int = 1,
+                       enough: Optional[float] = None) -> Tuple[np.ndarray, List[float]]:
+    """:func:`last_token_reading`'s scores and each step's reach (none for a
+    context of lo tokens or fewer)."""
+    scores, hidden, views = _probe(model, cache, tokens, len(tokens) - 1, lo, None, True,
+                                   near=near)
+    if hidden is None:
+        return scores, []
+    ids = None if vocab is None else mx.array(sorted(set(int(i) for i in vocab)))
+    reaches, top = [], len(tokens)
+    for step in range(steps):
+        logits = head_logits(model, hidden, ids).astype(mx.float32)
+        reaches.append(_kl(logits[1], logits[0]))
+        if step + 1 == steps or (enough is not None and reaches[-1] > enough):
+            break
+        token = int(mx.argmax(logits[1]).item())
+        token = token if ids is None else int(ids[token].item())
+        position = top - 1 + step + 1
+        with _roped_at(model, mx.array([position, position]), position + 1), \
+                cpu_math.numpy_passes():
+            hidden = model.model(mx.array([[token, token]]), cache=views)[0]
+            mx.eval(hidden)
+    return scores, reaches
+
+
+def _kl(p_logits: mx.array, q_logits: mx.array) -> float:
+    """KL(p || q) of two distributions given by their logits, nats."""
+    p = p_logits - mx.logsumexp(p_logits)
+    q = q_logits - mx.logsumexp(q_logits)
+    return max(float(mx.sum(mx.exp(p) * (p - q))), 0.0)
+
+
+def last_token_rows(model: nn.Module, cache: List, tokens: Sequence[int], near: int,
+                    lo: int = 1) -> Tuple[np.ndarray, Optional[mx.array]]:
+    """The scores and the final hidden states [2, d] (near, full) of
+    :func:`last_token_reading`'s first pass (None for a context of lo tokens or
+    fewer)."""
+    return _probe(model, cache, tokens, len(tokens) - 1, lo, None, True, near=near)[:2]
+
+
+def reach_of(model: nn.Module, hidden: mx.array, vocab: Optional[Sequence[int]] = None) -> float:
+    """KL(full || near) of the next token from the two rows' final hidden states
+    ([2, d]: near, full), over ``vocab`` (see :func:`last_token_reading`)."""
+    logits = head_logits(model, hidden, vocab).astype(mx.float32)
+    return _kl(logits[1], logits[0])
+
+
+def head_logits(model: nn.Module, hidden: mx.array, vocab: Optional[Sequence[int]] = None
+                ) -> mx.array:
+    """The LM head's logits of ``hidden`` ([..., d]) for the ids of ``vocab`` only
+    (all: None; an mx.array is taken as sorted distinct ids, in its order). A head tied to the embeddings (or a plain linear one) gathers the
+    rows; other heads run whole and are sliced."""
+    if getattr(model, "model_type", None) not in BODY_THEN_HEAD:
+        raise KvlingoError(f"The head of a {getattr(model, 'model_type', '?')} model cannot "
+                           "be read apart from its body.")
+    body = model.model
+    if vocab is not None:
+        ids = vocab if isinstance(vocab, mx.array) else mx.array(sorted(set(map(int, vocab))))
+        if "lm_head" not in model:
+            return hidden @ body.embed_tokens(ids).astype(hidden.dtype).T
+        if type(model.lm_head) is nn.Linear and "bias" not in model.lm_head:
+            return hidden @ model.lm_head.weight[ids].T
+    if "lm_head" in model:
+        logits = model.lm_head(hidden)
+    else:
+        logits = body.embed_tokens.as_linear(hidden)
+    return logits if vocab is None else logits[..., ids]
+
+
+def _probe(target, cache, tokens, start, lo, history, per_layer_seen, near: int = 0):
+    """(scores of positions lo..start-1, hidden or None, views): see
+    question_scores; with ``near`` > 0 (a one-token question) the final hidden
+    states [2, d] of its near and full readings and the layer views a further step
+    reads on (last_token_reaches)."""
     end = min(c.offset for c in cache)
     top = len(tokens)
     if not lo <= start <= end + 1 or start >= top or end > top:
         raise KvlingoError(f"Cannot read positions {start}..{top - 1} as a question on a "
                            f"{end}-position cache.")
+    if near and start != top - 1:
+        raise KvlingoError("The near reading takes a question of one token.")
     if start <= lo:
-        return np.zeros((0,), np.float32)
+        return np.zeros((0,), np.float32), None, None
     positions = mx.arange(start, top)
     views = pass_views(cache, end, top, history, positions, start)
+    inputs = list(tokens[start:])
+    if near:
+        views = [_NearView(v, lo, near) for v in views]
+        positions = mx.array([start, start])
+        inputs = inputs * 2
     totals = []
     attention = _ScoringAttention(lo, start, totals)
     cpu_math.install(target)
@@ -78,23 +190,89 @@ def question_scores(target: nn.Module, cache: List, tokens: Sequence[int], start
     module.scaled_dot_product_attention = attention
     try:
         with _roped_at(target, positions, top), cpu_math.numpy_passes():
-            hidden = target.model(mx.array([list(tokens[start:])]), cache=views)
+            hidden = target.model(mx.array([inputs]), cache=views)
             mx.eval(hidden, totals)
     finally:
         module.scaled_dot_product_attention = attention.original
     if not totals:
-        return np.zeros((start - lo,), np.float32)
+        return np.zeros((start - lo,), np.float32), hidden[0] if near else None, views
     total = np.array(sum(totals[1:], totals[0]))
     if per_layer_seen:
         seen = np.zeros(start - lo, np.float32)
         for unseen in attention.unseen:
             seen[unseen:] += 1
         total = total / np.maximum(seen, 1)
-    return total
+    return total, hidden[0] if near else None, views
+
+
+class _NearView:
+    """A probe's layer view (:class:`~.recompute._PassView`, of a one-token
+    question at position q) read by two rows per pass, both at one position: the
+    first (the *near* reading) sees the attention sink (positions below ``lo``),
+    the ``near`` positions before q and its own rows; the second (the full
+    reading) sees what the view lets it see and its own rows. The first pass reads
+    the question (the full row's key goes to position q, the near row's to a row
+    after the layout); each later pass reads one more token at the next position,
+    each row's key after the layout, seen only by its own reading."""
+
+    offset = 0  # unused: every row is roped at its own position (recompute._roped_at)
+
+    def __init__(self, view, lo: int, near: int):
+        self.view, self.lo, self.near, self.first = view, lo, near, view.first
+        self.keys, self.values = view.keys, view.values
+        self.question = int(view.positions[-1].item())
+        self.extra_keys, self.extra_values, self.extra_near = [], [], []
+        self.step = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.step == 0:
+            row = self.question - self.first
+            self.keys[:, :, row: row + 1] = keys[:, :, 1:].astype(self.keys.dtype)
+            self.values[:, :, row: row + 1] = values[:, :, 1:].astype(self.values.dtype)
+        else:
+            self._add(keys[:, :, 1:], values[:, :, 1:], False)
+        self._add(keys[:, :, :1], values[:, :, :1], True)
+        self.step += 1
+        return (mx.concatenate([self.keys] + self.extra_keys, axis=2),
+                mx.concatenate([self.values] + self.extra_values, axis=2))
+
+    def _add(self, keys, values, near: bool):
+        self.extra_keys.append(keys.astype(self.keys.dtype))
+        self.extra_values.append(values.astype(self.values.dtype))
+        self.extra_near.append(near)
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        q = self.question
+        key = self.first + mx.arange(self.keys.shape[2])
+        full = (self.view.held | self.view.selected) & (key <= q)
+        if window_size is not None:
+            full = full & (q + self.step - key < window_size)
+        near = full & (key < q) & ((key < self.lo) | (key >= q - self.near))
+        # The extra rows after this pass writes its own: the full row's (from the
+        # second pass on), then the near row's.
+        kinds = self.extra_near + ([False] if self.step else []) + [True]
+        mine = mx.array(kinds)
+        return mx.stack([mx.concatenate([near, mine]), mx.concatenate([full, ~mine])])
+
+
+def source_reading(source: nn.Module, source_cache: List, alignment: Alignment,
+                   near: int = 0, steps: int = 1, enough: Optional[float] = None
+                   ) -> Tuple[np.ndarray, float]:
+    """The source's one-token probe of a switch: the scores of source positions
+    1..n-2 as its last token reads them (:func:`source_scores` maps them to target
+    positions), and with ``near`` > 0 the reach of what comes next beyond the last
+    ``near`` tokens (:func:`last_token_reading`, over the context's own tokens,
+    ``steps`` tokens on, stopping above ``enough``; 0.0 without). ``alignment.source_tokens``: the whole
+    context in the source's tokens."""
+    ids = alignment.source_tokens
+    if near:
+        return last_token_reading(source, source_cache, ids, near - 1, vocab=ids, steps=steps,
+                                  enough=enough)
+    return question_scores(source, source_cache, ids, len(ids) - 1, 1), 0.0
 
 
 def source_scores(source: nn.Module, source_cache: List, alignment: Alignment, lo: int,
-                  hi: int) -> np.ndarray:
+                  hi: int, scores: Optional[np.ndarray] = None) -> np.ndarray:
     """The question's choice read by the *source*: how much its last token attends,
     on the source's own cache, to what target positions lo..hi-1 hold (an array of
     hi - lo scores, as :func:`question_scores` scores them).
@@ -111,9 +289,11 @@ def source_scores(source: nn.Module, source_cache: List, alignment: Alignment, l
     ``alignment.source_tokens``: the whole context in the source's tokens, n of
     them, whose first n - 1 at least ``source_cache`` holds. Across tokenizers the
     scores go from source to target tokens by characters (a target token takes the
-    largest score of the source tokens it shares a character with)."""
+    largest score of the source tokens it shares a character with). ``scores``: the
+    source's reading already made (:func:`source_reading`)."""
     ids = alignment.source_tokens
-    scores = question_scores(source, source_cache, ids, len(ids) - 1, 1)  # positions 1..
+    if scores is None:
+        scores = question_scores(source, source_cache, ids, len(ids) - 1, 1)  # positions 1..
     if alignment.source_offsets is None or alignment.target_offsets is None:
         return scores_from(scores, lo, hi)  # one tokenizer: position for position
     return scores_by_characters(scores, alignment.source_offsets[1: 1 + len(scores)],

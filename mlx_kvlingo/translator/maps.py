@@ -102,6 +102,16 @@ class TranslatorSpec:
     # "lexical", the fact-like words only. Files written before this field:
     # "question".
     recompute_select: str = "question"
+    # Text that goes on needs a long native tail more than a recompute: a one-shot
+    # switch whose source finds that the next token reaches little beyond the last
+    # ``long_tail`` context tokens (the KL of its next token reading only them from
+    # reading everything, switching.query.last_token_reading, at most
+    # ``long_tail_reach`` nats) lets the target compute those tokens itself and
+    # recomputes nothing; a question about a distant fact reaches further and gets
+    # the defaults above. Read by the source's probe: with recompute_select
+    # "source" only. Files written before these fields: 0 (always the defaults).
+    long_tail: int = 0
+    long_tail_reach: float = 0.0
     # Catch-ups that would translate fewer positions prefill them instead (a switch
     # that short costs more than it saves): the break-even measured where the file's
     # defaults were set (switching.break_even). A machine's own measurement replaces
@@ -143,6 +153,8 @@ class TranslatorSpec:
             del d["recompute_reserve"]
         if not self.recompute or self.recompute_select == "question":
             del d["recompute_select"]
+        if not self.long_tail:
+            del d["long_tail"], d["long_tail_reach"]
         if not self.break_even:  # as files written before the field
             del d["break_even"]
         return json.dumps(d, sort_keys=True)
