@@ -19,6 +19,10 @@ retrieves a fact puts its mass on the fact even when most heads look at the
 recent tokens (docs/design.md compares the ways of scoring that were measured).
 The attention sink (positions below ``lo``) and the question itself are not
 scored.
+
+The source's probe of a one-shot switch also says whether to recompute at all
+(:func:`last_token_reading`): how far what comes next reaches back. Text that just
+goes on is better served by a long native tail (switching.choice.long_tail_for).
 """
 
 import sys
@@ -106,7 +110,7 @@ def last_token_reaches(model: nn.Module, cache: List, tokens: Sequence[int], nea
             break
         token = int(mx.argmax(logits[1]).item())
         token = token if ids is None else int(ids[token].item())
-        position = top - 1 + step + 1
+        position = top + step  # the next token's: the question's is top - 1
         with _roped_at(model, mx.array([position, position]), position + 1), \
                 cpu_math.numpy_passes():
             hidden = model.model(mx.array([[token, token]]), cache=views)[0]

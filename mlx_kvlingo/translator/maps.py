@@ -109,7 +109,8 @@ class TranslatorSpec:
     # ``long_tail_reach`` nats) lets the target compute those tokens itself and
     # recomputes nothing; a question about a distant fact reaches further and gets
     # the defaults above. Read by the source's probe: with recompute_select
-    # "source" only. Files written before these fields: 0 (always the defaults).
+    # "source" and a recompute only. Files written before these fields: 0 (always
+    # the defaults).
     long_tail: int = 0
     long_tail_reach: float = 0.0
     # Catch-ups that would translate fewer positions prefill them instead (a switch
