@@ -49,15 +49,14 @@ import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 from cbr_defaults import DEFAULTS, cbr, resampled, windows  # this folder's
+from switch_cost_shipped import interleaved_medians  # this folder's
 
 from mlx_kvlingo.data.recall import KINDS, PLAIN_KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.ttft import environment
@@ -247,14 +246,7 @@ def time_reach_pass(src, stok, tgt, ttok, text: str, rounds: int, recent: int) -
             "the same, two steps": lambda: last_token_reading(
                 src, cache, sids, recent - 1, vocab=sids, steps=2),
             "re-prefill": reprefill}
-    times = {name: [] for name in runs}
-    for i in range(rounds + 1):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            if i:
-                times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = interleaved_medians(runs, rounds)
     full = med.pop("re-prefill")
     print(f"target re-prefill of {len(tids)} tokens: {full * 1e3:.0f} ms")
     for name, sec in med.items():

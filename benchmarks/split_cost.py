@@ -15,14 +15,13 @@ import mlx_kvlingo  # noqa: F401  (first: fast BLAS before mlx.core)
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from cbr_defaults import windows  # this folder's
+from switch_cost_shipped import interleaved_medians  # this folder's
 
 from mlx_kvlingo.data.recall import PLAIN_KINDS, heldout_filler, recall_items
 from mlx_kvlingo.measure.ttft import environment
@@ -59,14 +58,7 @@ def time_context(src, stok, tgt, ttok, translator, text: str, rounds: int) -> di
         mx.eval(last_logits(tgt, mx.array([ids[-1:]]), prefill(tgt, mx.array(ids[:-1])[None])))
 
     runs = {"defaults": switched, "told": lambda: switched(**told), "re-prefill": reprefill}
-    times = {name: [] for name in runs}
-    for r in range(rounds + 1):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            if r:
-                times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = interleaved_medians(runs, rounds)
     return {"path": path, **{k: med[k] / med["re-prefill"] for k in ("defaults", "told")},
             "re-prefill_s": med["re-prefill"]}
 
