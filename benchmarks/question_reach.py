@@ -27,7 +27,7 @@ files' ``select=source`` recompute already makes), and three signals are taken:
   gathered, not all of them: what a switch reads, query.source_reading);
   ``reach_context_2``: the larger of that and the next step's, both readings going
   on with the full one's likeliest token (one more pass: what a switch reads, the
-  files' ``long_tail``); ``hidden_cosine``: 1 - the cosine of the two readings'
+  files' ``long_tail``); ``reach_context_3``: the same three tokens on; ``hidden_cosine``: 1 - the cosine of the two readings'
   final hidden states.
 
     python benchmarks/question_reach.py --source gemma3 --target smollm2 --tokens 550 \
@@ -67,7 +67,8 @@ from mlx_kvlingo.switching.query import (last_token_reaches, last_token_reading,
 from mlx_kvlingo.translator.align import tokenize_with_offsets
 
 REACH_STEPS = (0.1, 0.2, 0.3, 0.5)
-SIGNALS = ("reach", "reach_pass", "reach_context", "reach_context_2", "hidden_cosine")
+SIGNALS = ("reach", "reach_pass", "reach_context", "reach_context_2", "reach_context_3",
+           "hidden_cosine")
 
 
 def probe(model, tokenizer, text: str, recent: int):
@@ -82,10 +83,11 @@ def probe(model, tokenizer, text: str, recent: int):
     if np.abs(same - scores).max() > 1e-4:
         raise SystemExit("the two-row probe scored the positions otherwise")
     near, full = np.array(hidden[0]), np.array(hidden[1])
-    steps = last_token_reaches(model, cache, ids, recent - 1, vocab=ids, steps=2)[1]
+    steps = last_token_reaches(model, cache, ids, recent - 1, vocab=ids, steps=3)[1]
     passes = {"reach_pass": reach_of(model, hidden),
               "reach_context": reach_of(model, hidden, ids),
-              "reach_context_2": max(steps),
+              "reach_context_2": max(steps[:2]),
+              "reach_context_3": max(steps),
               "hidden_cosine": 1 - float(near @ full / np.linalg.norm(near) / np.linalg.norm(full))}
     return ids, scores, log_probs(model(mx.array([ids[-1:]]), cache=cache)[0, -1]), passes
 
