@@ -628,7 +628,8 @@ def switch_cmd(
         None, help="Share of the context (0.1 = 10%) the target recomputes itself after the "
         "translation: the positions the prompt's last tokens attend to, and the words that "
         "look like facts (numbers, names, identifiers). Default: the translator's (see "
-        "`mlx-kvlingo defaults`)."),
+        "`mlx-kvlingo defaults`), which for a prompt that just goes on may be its long native "
+        "tail instead; given, it is used as given."),
     recompute_max: Optional[int] = typer.Option(
         None, help="The most positions the recompute may come to (0: no limit; default: "
         "the translator's)."),
